@@ -1,0 +1,474 @@
+//! Types shared by the eBPF fast path (`ipoib-ebpf`) and the control plane (`ipoib-ctl`).
+//!
+//! Every type that crosses the kernel boundary is `#[repr(C)]` with its padding spelled out as
+//! named `_pad` fields, so the layout has no implicit holes and both sides agree byte for byte.
+//! The layout tests at the bottom pin sizes, alignments and offsets.
+//!
+//! Enumerations are stored as plain integers in map values (the kernel side cannot validate a
+//! Rust enum it reads from a map, and an invalid discriminant would be undefined behaviour);
+//! userspace converts them with the `TryFrom` impls behind the `user` feature.
+#![cfg_attr(not(test), no_std)]
+
+#[cfg(feature = "user")]
+extern crate std;
+
+/// IPoIB hard header: 20-byte pseudo header (destination hardware address) + 4-byte IPoIB header.
+pub const IPOIB_HARD_LEN: usize = 24;
+/// Length of an IPoIB hardware address: flags byte, 24-bit QPN, 16-byte GID.
+pub const IPOIB_HWADDR_LEN: usize = 20;
+/// Offset of the GID inside the hardware address.
+pub const IPOIB_GID_OFFSET: usize = 4;
+/// Flags byte bit: the peer can do connected mode (RC).
+pub const IPOIB_FLAG_RC: u8 = 0x80;
+/// Ethernet header length, for the veth lab.
+pub const ETH_HLEN: usize = 14;
+
+/// `ARPHRD_ETHER`: the lab's veth devices.
+pub const ARPHRD_ETHER: u16 = 1;
+/// `ARPHRD_INFINIBAND`: a real IPoIB netdev.
+pub const ARPHRD_INFINIBAND: u16 = 32;
+
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_ARP: u16 = 0x0806;
+pub const ETH_P_IPV6: u16 = 0x86dd;
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ICMPV6: u8 = 58;
+/// ICMPv6 Neighbor Discovery types (RFC 4861): router solicitation .. redirect.
+pub const ICMPV6_ND_FIRST: u8 = 133;
+pub const ICMPV6_ND_LAST: u8 = 137;
+
+/// Linux' connected-mode MTU (IPOIB_CM_MTU).
+pub const IPOIB_CM_MTU: u32 = 65520;
+
+/// Map names, exactly as the eBPF object declares them (at most 15 bytes: BPF_OBJ_NAME_LEN).
+pub mod map_names {
+    /// `Array<Policy, 1>`: the policy in force.
+    pub const POLICY: &str = "ipoib_policy";
+    /// `Array<Heartbeat, 1>`: the control plane's liveness stamp.
+    pub const HEARTBEAT: &str = "ipoib_heartbeat";
+    /// `HashMap<PeerKey, PeerEntry>`: per-peer state written by the control plane.
+    pub const PEERS: &str = "ipoib_peers";
+    /// `LruPerCpuHashMap<PeerKey, PeerTraffic>`: per-peer traffic counted by the fast path.
+    pub const TRAFFIC: &str = "ipoib_traffic";
+    /// `PerCpuArray<Counter, REASON_COUNT>`: packets and bytes per decision reason.
+    pub const REASONS: &str = "ipoib_reasons";
+
+    pub const ALL: [&str; 5] = [POLICY, HEARTBEAT, PEERS, TRAFFIC, REASONS];
+}
+
+/// Program names in the eBPF object.
+pub mod prog_names {
+    pub const EGRESS: &str = "ipoib_egress";
+    pub const INGRESS: &str = "ipoib_ingress";
+}
+
+/// Capacity of the peers map (control-plane state per peer).
+pub const MAX_PEERS: u32 = 16384;
+/// Capacity of the per-peer traffic map (LRU: the least recently seen peer is evicted).
+/// Memory is `MAX_TRAFFIC_PEERS * size_of::<PeerTraffic>() * possible CPUs`.
+pub const MAX_TRAFFIC_PEERS: u32 = 8192;
+
+/// Address family tags in [`PeerKey::family`].
+pub const FAMILY_IPV4: u8 = 4;
+pub const FAMILY_IPV6: u8 = 6;
+
+/// A peer, identified by its IP address on the IPoIB subnet.
+///
+/// On IPoIB ingress the source GID/QPN is not in the packet (the driver zeroes the pseudo
+/// header), so the IP address is the only identity both directions share.
+/// IPv4 addresses sit in the first four bytes of `addr`, the rest zero.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerKey {
+    pub addr: [u8; 16],
+    /// [`FAMILY_IPV4`] or [`FAMILY_IPV6`].
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+impl PeerKey {
+    #[inline(always)]
+    pub const fn v4(a: [u8; 4]) -> Self {
+        Self {
+            addr: [a[0], a[1], a[2], a[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            family: FAMILY_IPV4,
+            _pad: [0; 3],
+        }
+    }
+
+    #[inline(always)]
+    pub const fn v6(addr: [u8; 16]) -> Self {
+        Self {
+            addr,
+            family: FAMILY_IPV6,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// [`PeerEntry::mode`]: the state of our own CM path to the peer.
+pub mod peer_mode {
+    /// No CM connection: everything goes over UD.
+    pub const UD: u8 = 0;
+    /// A connection is being set up: still UD.
+    pub const CM_PENDING: u8 = 1;
+    /// The RC connection is established: big packets are redirected to the CM device.
+    pub const CM_UP: u8 = 2;
+}
+
+/// [`PeerEntry::pin`]: an operator's override for one peer.
+pub mod peer_pin {
+    /// The policy decides.
+    pub const AUTO: u8 = 0;
+    /// Always UD, and the kernel's own connected mode is forbidden for this peer.
+    pub const UD: u8 = 1;
+    /// Always worth CM (the control plane promotes it first); the fast path still needs CM_UP.
+    pub const CM: u8 = 2;
+    /// Drop what this peer sends us (ingress), counted.
+    pub const BLOCK: u8 = 3;
+}
+
+/// Control-plane state for one peer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PeerEntry {
+    /// One of [`peer_mode`].
+    pub mode: u8,
+    /// One of [`peer_pin`].
+    pub pin: u8,
+    pub _pad0: [u8; 2],
+    /// ifindex of the CM device (the engine's TUN) packets are redirected to when `CM_UP`.
+    pub cm_ifindex: u32,
+    /// Bumped by the control plane every time the entry's connection changes.
+    pub generation: u32,
+    pub _pad1: [u8; 4],
+}
+
+/// [`Policy::mode`]: the interface-wide mode.
+pub mod global_mode {
+    /// Hybrid: CM for big packets to peers with a live connection, UD for the rest.
+    pub const AUTO: u8 = 0;
+    /// UD only: nothing is redirected and the kernel's connected mode is forbidden.
+    pub const DATAGRAM: u8 = 1;
+    /// Promote every peer that talks (within the memory plan); the fast path behaves as AUTO.
+    pub const CONNECTED: u8 = 2;
+}
+
+/// The policy in force, one entry in the policy map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// `ARPHRD_INFINIBAND` or `ARPHRD_ETHER`, fixed at attach time from the device.
+    /// Zero means "not configured": every packet passes untouched as UD.
+    pub link_type: u16,
+    /// One of [`global_mode`].
+    pub mode: u8,
+    /// 1: leave the RC flag in the destination address (the kernel may use its own connected
+    /// mode). 0: clear it on unicast UD packets so the kernel driver sends them over UD.
+    pub kernel_cm: u8,
+    /// Smallest L3 packet (IP header onwards, GSO super-packets whole) worth the CM path.
+    pub cm_min_bytes: u32,
+    /// The fail-safe: when the heartbeat is older than this, every packet goes UD.
+    pub heartbeat_timeout_ns: u64,
+    /// TCP port of the CM handshake: its traffic always goes UD (it must not depend on CM).
+    pub ctl_port: u16,
+    pub _pad: [u8; 6],
+}
+
+pub const DEFAULT_CM_MIN_BYTES: u32 = 1024;
+pub const DEFAULT_HEARTBEAT_TIMEOUT_NS: u64 = 3_000_000_000;
+/// The CM handshake's TCP port (RFC 4755's number, unassigned by IANA for TCP).
+pub const DEFAULT_CTL_PORT: u16 = 4755;
+
+impl Policy {
+    pub const fn new(link_type: u16) -> Self {
+        Self {
+            link_type,
+            mode: global_mode::AUTO,
+            kernel_cm: 0,
+            cm_min_bytes: DEFAULT_CM_MIN_BYTES,
+            heartbeat_timeout_ns: DEFAULT_HEARTBEAT_TIMEOUT_NS,
+            ctl_port: DEFAULT_CTL_PORT,
+            _pad: [0; 6],
+        }
+    }
+}
+
+/// The control plane's liveness stamp, written every loop iteration.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Heartbeat {
+    /// CLOCK_MONOTONIC in ns (the clock `bpf_ktime_get_ns` reads). Zero: never written.
+    pub monotonic_ns: u64,
+    /// pid of the process that wrote it.
+    pub writer_pid: u32,
+    pub _pad: [u8; 4],
+}
+
+/// Per-peer traffic as the fast path saw it, one copy per CPU.
+/// Bytes are L3 bytes (IP header onwards), so both link types count alike.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PeerTraffic {
+    pub tx_ud_packets: u64,
+    pub tx_ud_bytes: u64,
+    pub tx_cm_packets: u64,
+    pub tx_cm_bytes: u64,
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub rx_dropped: u64,
+    /// `bpf_ktime_get_ns` of the last packet either way.
+    pub last_seen_ns: u64,
+}
+
+impl PeerTraffic {
+    /// Sums the per-CPU copies (last_seen is the newest).
+    pub fn accumulate(&mut self, o: &Self) {
+        self.tx_ud_packets += o.tx_ud_packets;
+        self.tx_ud_bytes += o.tx_ud_bytes;
+        self.tx_cm_packets += o.tx_cm_packets;
+        self.tx_cm_bytes += o.tx_cm_bytes;
+        self.rx_packets += o.rx_packets;
+        self.rx_bytes += o.rx_bytes;
+        self.rx_dropped += o.rx_dropped;
+        if o.last_seen_ns > self.last_seen_ns {
+            self.last_seen_ns = o.last_seen_ns;
+        }
+    }
+}
+
+/// Packets and L3 bytes (whole frame when no L3 header was found).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Why the fast path did what it did; the index into the reasons map.
+///
+/// Every packet a program sees is counted under exactly one *decision* reason. `TxRcFlagCleared`
+/// is an *action* counted on top of the decision (see [`Reason::is_decision`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Reason {
+    TxUdNoPolicy = 0,
+    TxUdMalformed = 1,
+    TxUdMulticast = 2,
+    TxUdArp = 3,
+    TxUdNonIp = 4,
+    TxUdNeighborDiscovery = 5,
+    TxUdControl = 6,
+    TxUdDatagramMode = 7,
+    TxUdPinnedUd = 8,
+    TxUdHeartbeatStale = 9,
+    TxUdNoPeer = 10,
+    TxUdPeerNotUp = 11,
+    TxUdSmall = 12,
+    TxCmRedirect = 13,
+    TxRcFlagCleared = 14,
+    RxNoPolicy = 15,
+    RxMalformed = 16,
+    RxNonIp = 17,
+    RxPeer = 18,
+    RxDropBlocked = 19,
+}
+
+pub const REASON_COUNT: u32 = 20;
+
+impl Reason {
+    pub const ALL: [Reason; REASON_COUNT as usize] = [
+        Reason::TxUdNoPolicy,
+        Reason::TxUdMalformed,
+        Reason::TxUdMulticast,
+        Reason::TxUdArp,
+        Reason::TxUdNonIp,
+        Reason::TxUdNeighborDiscovery,
+        Reason::TxUdControl,
+        Reason::TxUdDatagramMode,
+        Reason::TxUdPinnedUd,
+        Reason::TxUdHeartbeatStale,
+        Reason::TxUdNoPeer,
+        Reason::TxUdPeerNotUp,
+        Reason::TxUdSmall,
+        Reason::TxCmRedirect,
+        Reason::TxRcFlagCleared,
+        Reason::RxNoPolicy,
+        Reason::RxMalformed,
+        Reason::RxNonIp,
+        Reason::RxPeer,
+        Reason::RxDropBlocked,
+    ];
+
+    /// Stable snake_case name, for status output and JSON.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Reason::TxUdNoPolicy => "tx_ud_no_policy",
+            Reason::TxUdMalformed => "tx_ud_malformed",
+            Reason::TxUdMulticast => "tx_ud_multicast",
+            Reason::TxUdArp => "tx_ud_arp",
+            Reason::TxUdNonIp => "tx_ud_non_ip",
+            Reason::TxUdNeighborDiscovery => "tx_ud_neighbor_discovery",
+            Reason::TxUdControl => "tx_ud_control",
+            Reason::TxUdDatagramMode => "tx_ud_datagram_mode",
+            Reason::TxUdPinnedUd => "tx_ud_pinned_ud",
+            Reason::TxUdHeartbeatStale => "tx_ud_heartbeat_stale",
+            Reason::TxUdNoPeer => "tx_ud_no_peer",
+            Reason::TxUdPeerNotUp => "tx_ud_peer_not_up",
+            Reason::TxUdSmall => "tx_ud_small",
+            Reason::TxCmRedirect => "tx_cm_redirect",
+            Reason::TxRcFlagCleared => "tx_rc_flag_cleared",
+            Reason::RxNoPolicy => "rx_no_policy",
+            Reason::RxMalformed => "rx_malformed",
+            Reason::RxNonIp => "rx_non_ip",
+            Reason::RxPeer => "rx_peer",
+            Reason::RxDropBlocked => "rx_drop_blocked",
+        }
+    }
+
+    /// True for the reasons that are a packet's one decision; false for actions on top of one.
+    pub const fn is_decision(self) -> bool {
+        !matches!(self, Reason::TxRcFlagCleared)
+    }
+
+    /// True for egress (`ipoib_egress`) reasons.
+    pub const fn is_egress(self) -> bool {
+        (self as u32) <= Reason::TxRcFlagCleared as u32
+    }
+
+    pub fn from_index(i: u32) -> Option<Reason> {
+        Reason::ALL.get(i as usize).copied()
+    }
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use core::net::IpAddr;
+
+    use super::*;
+
+    // SAFETY: all of these are `#[repr(C)]`, contain only integers and byte arrays, and have
+    // their padding spelled out as fields, so every bit pattern is valid and none is uninit.
+    unsafe impl aya::Pod for PeerKey {}
+    unsafe impl aya::Pod for PeerEntry {}
+    unsafe impl aya::Pod for Policy {}
+    unsafe impl aya::Pod for Heartbeat {}
+    unsafe impl aya::Pod for PeerTraffic {}
+    unsafe impl aya::Pod for Counter {}
+
+    impl From<IpAddr> for PeerKey {
+        fn from(ip: IpAddr) -> Self {
+            match ip {
+                IpAddr::V4(v4) => PeerKey::v4(v4.octets()),
+                IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                    Some(v4) => PeerKey::v4(v4.octets()),
+                    None => PeerKey::v6(v6.octets()),
+                },
+            }
+        }
+    }
+
+    impl PeerKey {
+        /// The address, or `None` for a key with an unknown family tag.
+        pub fn ip(&self) -> Option<IpAddr> {
+            match self.family {
+                FAMILY_IPV4 => Some(IpAddr::from([
+                    self.addr[0],
+                    self.addr[1],
+                    self.addr[2],
+                    self.addr[3],
+                ])),
+                FAMILY_IPV6 => Some(IpAddr::from(self.addr)),
+                _ => None,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use core::mem::{align_of, offset_of, size_of};
+
+    use super::*;
+
+    /// The kernel side sees exactly these layouts: a change here is a change to the ABI
+    /// between the eBPF object and every control plane that adopts its pinned maps.
+    #[test]
+    fn layouts_are_pinned() {
+        assert_eq!((size_of::<PeerKey>(), align_of::<PeerKey>()), (20, 1));
+        assert_eq!(offset_of!(PeerKey, family), 16);
+
+        assert_eq!((size_of::<PeerEntry>(), align_of::<PeerEntry>()), (16, 4));
+        assert_eq!(offset_of!(PeerEntry, mode), 0);
+        assert_eq!(offset_of!(PeerEntry, pin), 1);
+        assert_eq!(offset_of!(PeerEntry, cm_ifindex), 4);
+        assert_eq!(offset_of!(PeerEntry, generation), 8);
+
+        assert_eq!((size_of::<Policy>(), align_of::<Policy>()), (24, 8));
+        assert_eq!(offset_of!(Policy, link_type), 0);
+        assert_eq!(offset_of!(Policy, mode), 2);
+        assert_eq!(offset_of!(Policy, kernel_cm), 3);
+        assert_eq!(offset_of!(Policy, cm_min_bytes), 4);
+        assert_eq!(offset_of!(Policy, heartbeat_timeout_ns), 8);
+        assert_eq!(offset_of!(Policy, ctl_port), 16);
+
+        assert_eq!((size_of::<Heartbeat>(), align_of::<Heartbeat>()), (16, 8));
+        assert_eq!(offset_of!(Heartbeat, writer_pid), 8);
+
+        assert_eq!(
+            (size_of::<PeerTraffic>(), align_of::<PeerTraffic>()),
+            (64, 8)
+        );
+        assert_eq!(offset_of!(PeerTraffic, rx_packets), 32);
+        assert_eq!(offset_of!(PeerTraffic, last_seen_ns), 56);
+
+        assert_eq!((size_of::<Counter>(), align_of::<Counter>()), (16, 8));
+        assert_eq!(size_of::<Reason>(), 4);
+    }
+
+    /// No implicit holes: the sum of the fields' sizes is the struct's size.
+    #[test]
+    fn no_implicit_padding() {
+        assert_eq!(16 + 1 + 3, size_of::<PeerKey>());
+        assert_eq!(1 + 1 + 2 + 4 + 4 + 4, size_of::<PeerEntry>());
+        assert_eq!(2 + 1 + 1 + 4 + 8 + 2 + 6, size_of::<Policy>());
+        assert_eq!(8 + 4 + 4, size_of::<Heartbeat>());
+        assert_eq!(8 * 8, size_of::<PeerTraffic>());
+        assert_eq!(8 + 8, size_of::<Counter>());
+    }
+
+    #[test]
+    fn map_names_fit_the_kernel() {
+        for name in map_names::ALL {
+            assert!(
+                name.len() <= 15,
+                "{name} is longer than BPF_OBJ_NAME_LEN - 1"
+            );
+        }
+    }
+
+    #[test]
+    fn reasons_are_dense_and_named_uniquely() {
+        for (i, r) in Reason::ALL.iter().enumerate() {
+            assert_eq!(*r as u32, i as u32);
+            assert_eq!(Reason::from_index(i as u32), Some(*r));
+            for other in &Reason::ALL[..i] {
+                assert_ne!(other.name(), r.name());
+            }
+        }
+        assert_eq!(Reason::from_index(REASON_COUNT), None);
+        assert!(!Reason::TxRcFlagCleared.is_decision());
+        assert!(Reason::TxCmRedirect.is_egress());
+        assert!(!Reason::RxPeer.is_egress());
+    }
+
+    #[test]
+    fn peer_key_v4_is_zero_padded() {
+        let k = PeerKey::v4([10, 0, 0, 7]);
+        assert_eq!(&k.addr[..4], &[10, 0, 0, 7]);
+        assert!(k.addr[4..].iter().all(|b| *b == 0));
+        assert_eq!(k.family, FAMILY_IPV4);
+    }
+}

@@ -1,0 +1,13 @@
+//! CLOCK_MONOTONIC, the clock `bpf_ktime_get_ns` reads in the kernel.
+
+/// Nanoseconds on CLOCK_MONOTONIC, comparable with the fast path's timestamps.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    debug_assert_eq!(rc, 0);
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

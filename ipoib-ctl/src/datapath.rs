@@ -1,0 +1,108 @@
+//! The eBPF object and its loading.
+
+use aya::{
+    Ebpf, EbpfError,
+    programs::{ProgramError, SchedClassifier, Xdp},
+};
+use ipoib_common::prog_names;
+
+use crate::maps::{DatapathMaps, MapsError};
+
+/// The fast path's eBPF object, built by this crate's build script.
+pub static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ipoib-ebpf"));
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error("loading the eBPF object failed (needs root, or CAP_BPF and CAP_NET_ADMIN): {0}")]
+    Object(#[from] EbpfError),
+    #[error("program {name} is missing from the eBPF object or has the wrong type")]
+    MissingProgram { name: &'static str },
+    #[error("the kernel refused program {name}: {source}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: ProgramError,
+    },
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+}
+
+/// Both programs loaded into the kernel (not attached), and their maps.
+pub struct Datapath {
+    ebpf: Ebpf,
+    /// Must stay alive: dropping it closes the log map the programs refer to.
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    pub maps: DatapathMaps,
+}
+
+impl Datapath {
+    /// Loads the object, verifies and loads both programs, and takes the maps.
+    pub fn load() -> Result<Self, DatapathError> {
+        raise_memlock_limit();
+        let mut ebpf = Ebpf::load(EBPF_OBJECT)?;
+        let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::debug!("eBPF logger not initialised: {e}");
+                None
+            }
+        };
+        let name = prog_names::EGRESS;
+        let egress: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(DatapathError::MissingProgram { name })?;
+        egress
+            .load()
+            .map_err(|source| DatapathError::Program { name, source })?;
+        let name = prog_names::INGRESS;
+        let ingress: &mut Xdp = ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(DatapathError::MissingProgram { name })?;
+        ingress
+            .load()
+            .map_err(|source| DatapathError::Program { name, source })?;
+        let maps = DatapathMaps::take(&mut ebpf, None)?;
+        Ok(Self { ebpf, logger, maps })
+    }
+
+    pub fn egress(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+        let name = prog_names::EGRESS;
+        self.ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(DatapathError::MissingProgram { name })
+    }
+
+    pub fn ingress(&mut self) -> Result<&mut Xdp, DatapathError> {
+        let name = prog_names::INGRESS;
+        self.ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(DatapathError::MissingProgram { name })
+    }
+
+    /// Forwards what the programs logged to `log` (off the hot path: call it from the loop).
+    pub fn flush_logs(&mut self) {
+        if let Some(l) = self.logger.as_mut() {
+            l.flush();
+        }
+    }
+}
+
+/// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; newer ones ignore it.
+fn raise_memlock_limit() {
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: valid pointer to an rlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
+        tracing::debug!(
+            "could not raise RLIMIT_MEMLOCK: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}

@@ -1,0 +1,279 @@
+//! The fast path: per-packet mode selection on the IPoIB netdev.
+//!
+//! * `ipoib_egress` (TC classifier, egress): big unicast IP packets to a peer whose CM
+//!   connection is up are redirected to the CM device; everything else goes UD, untouched but
+//!   for the RC flag of the destination address when the kernel's own connected mode is
+//!   forbidden.
+//! * `ipoib_ingress` (XDP, generic mode on ipoib): read-only accounting per source peer, and a
+//!   drop only for peers the policy blocks.
+//!
+//! Every packet is counted under exactly one decision reason. Unknown, truncated or malformed
+//! frames pass as UD; nothing is dropped on egress.
+#![no_std]
+#![no_main]
+
+mod parse;
+
+use aya_ebpf::{
+    bindings::{BPF_NOEXIST, TC_ACT_OK, xdp_action},
+    btf_maps::{Array, HashMap, LruPerCpuHashMap, PerCpuArray},
+    helpers::{bpf_ktime_get_ns, bpf_redirect},
+    macros::{btf_map, classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
+use ipoib_common::{
+    Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, PeerEntry, PeerKey,
+    PeerTraffic, Policy, REASON_COUNT, Reason, global_mode, peer_mode, peer_pin,
+};
+use parse::{Frame, PARSE_MAX, ParseError, parse};
+
+#[btf_map(name = "ipoib_policy")]
+static POLICY: Array<Policy, 1> = Array::new();
+
+#[btf_map(name = "ipoib_heartbeat")]
+static HEARTBEAT: Array<Heartbeat, 1> = Array::new();
+
+#[btf_map(name = "ipoib_peers")]
+static PEERS: HashMap<PeerKey, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
+
+#[btf_map(name = "ipoib_traffic")]
+static TRAFFIC: LruPerCpuHashMap<PeerKey, PeerTraffic, { MAX_TRAFFIC_PEERS as usize }> =
+    LruPerCpuHashMap::new();
+
+#[btf_map(name = "ipoib_reasons")]
+static REASONS: PerCpuArray<Counter, { REASON_COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+fn count(reason: Reason, bytes: u64) {
+    if let Some(c) = REASONS.get_ptr_mut(reason as u32) {
+        // SAFETY: per-CPU slot of a preallocated array; programs do not migrate CPUs mid-run.
+        unsafe {
+            (*c).packets += 1;
+            (*c).bytes += bytes;
+        }
+    }
+}
+
+/// The per-CPU traffic slot of `key`, created zeroed on first sight.
+#[inline(always)]
+fn traffic(key: &PeerKey) -> Option<*mut PeerTraffic> {
+    if let Some(t) = TRAFFIC.get_ptr_mut(key) {
+        return Some(t);
+    }
+    // Another CPU may insert concurrently: NOEXIST makes that harmless.
+    let _ = TRAFFIC.insert(key, PeerTraffic::default(), BPF_NOEXIST as u64);
+    TRAFFIC.get_ptr_mut(key)
+}
+
+#[classifier]
+pub fn ipoib_egress(ctx: TcContext) -> i32 {
+    egress(&ctx)
+}
+
+/// What egress decided for one packet.
+struct Verdict {
+    reason: Reason,
+    /// ifindex of the CM device, when `reason` is `TxCmRedirect`.
+    cm_ifindex: u32,
+    /// The kernel's own connected mode must not carry this packet.
+    forbid_kernel_cm: bool,
+}
+
+impl Verdict {
+    const fn ud(reason: Reason, forbid_kernel_cm: bool) -> Self {
+        Self {
+            reason,
+            cm_ifindex: 0,
+            forbid_kernel_cm,
+        }
+    }
+}
+
+#[inline(always)]
+fn egress(ctx: &TcContext) -> i32 {
+    let len = ctx.len() as usize;
+    let Some(policy) = POLICY.get(0) else {
+        count(Reason::TxUdNoPolicy, len as u64);
+        return TC_ACT_OK;
+    };
+    if policy.link_type == 0 {
+        // Off the hot path: only before the control plane has configured the interface.
+        aya_log_ebpf::warn!(ctx, "ipoib_egress: no policy configured, passing as UD");
+        count(Reason::TxUdNoPolicy, len as u64);
+        return TC_ACT_OK;
+    }
+    // Headers of locally built packets are linear; pull them in when they are not.
+    let want = if len < PARSE_MAX { len } else { PARSE_MAX };
+    if ctx.data_end() - ctx.data() < want {
+        let _ = ctx.pull_data(want as u32);
+    }
+
+    let frame = match parse(
+        ctx.data(),
+        ctx.data_end(),
+        policy.link_type,
+        policy.ctl_port,
+    ) {
+        Ok(f) => f,
+        Err(ParseError::Malformed) => {
+            count(Reason::TxUdMalformed, len as u64);
+            return TC_ACT_OK;
+        }
+        Err(ParseError::UnknownLink) => {
+            count(Reason::TxUdNoPolicy, len as u64);
+            return TC_ACT_OK;
+        }
+    };
+    let l3_len = (len - frame.l2_len) as u64;
+    let verdict = decide(&frame, policy, l3_len);
+    count(verdict.reason, l3_len);
+
+    if let Some(dst) = frame.unicast_dst() {
+        if let Some(t) = traffic(&dst) {
+            // SAFETY: this CPU's slot; see `count`.
+            unsafe {
+                if verdict.reason == Reason::TxCmRedirect {
+                    (*t).tx_cm_packets += 1;
+                    (*t).tx_cm_bytes += l3_len;
+                } else {
+                    (*t).tx_ud_packets += 1;
+                    (*t).tx_ud_bytes += l3_len;
+                }
+                (*t).last_seen_ns = bpf_ktime_get_ns();
+            }
+        }
+    }
+
+    if verdict.reason == Reason::TxCmRedirect {
+        // The CM device has no L2 header: the kernel pulls ours off itself.
+        return unsafe { bpf_redirect(verdict.cm_ifindex, 0) } as i32;
+    }
+    if verdict.forbid_kernel_cm && frame.rc_flag {
+        let flags = frame.flags & !IPOIB_FLAG_RC;
+        if ctx.store(0, &flags, 0).is_ok() {
+            count(Reason::TxRcFlagCleared, l3_len);
+        }
+    }
+    TC_ACT_OK
+}
+
+#[inline(always)]
+fn decide(frame: &Frame, policy: &Policy, l3_len: u64) -> Verdict {
+    if frame.multicast {
+        return Verdict::ud(Reason::TxUdMulticast, false);
+    }
+    let Some(dst) = frame.dst else {
+        // Not IP (ARP, or an ethertype we do not handle): the kernel sends it UD itself.
+        return Verdict::ud(frame.non_ip_reason(), false);
+    };
+    let global_forbids = policy.mode == global_mode::DATAGRAM || policy.kernel_cm == 0;
+    if frame.neighbor_discovery {
+        return Verdict::ud(Reason::TxUdNeighborDiscovery, true);
+    }
+    if frame.control {
+        return Verdict::ud(Reason::TxUdControl, global_forbids);
+    }
+    if policy.mode == global_mode::DATAGRAM {
+        return Verdict::ud(Reason::TxUdDatagramMode, true);
+    }
+    // SAFETY: the entry is only read here, before any insert or remove on this map.
+    let Some(peer) = (unsafe { PEERS.get(&dst) }) else {
+        return Verdict::ud(Reason::TxUdNoPeer, global_forbids);
+    };
+    if peer.pin == peer_pin::UD {
+        return Verdict::ud(Reason::TxUdPinnedUd, true);
+    }
+    if peer.mode != peer_mode::CM_UP || peer.cm_ifindex == 0 {
+        return Verdict::ud(Reason::TxUdPeerNotUp, global_forbids);
+    }
+    if l3_len < policy.cm_min_bytes as u64 {
+        return Verdict::ud(Reason::TxUdSmall, global_forbids);
+    }
+    if heartbeat_stale(policy) {
+        return Verdict::ud(Reason::TxUdHeartbeatStale, global_forbids);
+    }
+    Verdict {
+        reason: Reason::TxCmRedirect,
+        cm_ifindex: peer.cm_ifindex,
+        forbid_kernel_cm: false,
+    }
+}
+
+/// The fail-safe: a control plane that stopped writing its heartbeat gets no CM traffic.
+#[inline(always)]
+fn heartbeat_stale(policy: &Policy) -> bool {
+    let Some(hb) = HEARTBEAT.get(0) else {
+        return true;
+    };
+    if hb.monotonic_ns == 0 {
+        return true;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    now > hb.monotonic_ns && now - hb.monotonic_ns > policy.heartbeat_timeout_ns
+}
+
+#[xdp]
+pub fn ipoib_ingress(ctx: XdpContext) -> u32 {
+    ingress(&ctx)
+}
+
+/// Read-only: never writes the packet (generic XDP re-runs eth_type_trans if the first 14
+/// bytes change, which would corrupt an IPoIB frame).
+#[inline(always)]
+fn ingress(ctx: &XdpContext) -> u32 {
+    let len = ctx.data_end() - ctx.data();
+    let Some(policy) = POLICY.get(0) else {
+        count(Reason::RxNoPolicy, len as u64);
+        return xdp_action::XDP_PASS;
+    };
+    if policy.link_type == 0 {
+        count(Reason::RxNoPolicy, len as u64);
+        return xdp_action::XDP_PASS;
+    }
+    let frame = match parse(ctx.data(), ctx.data_end(), policy.link_type, 0) {
+        Ok(f) => f,
+        Err(ParseError::Malformed) => {
+            count(Reason::RxMalformed, len as u64);
+            return xdp_action::XDP_PASS;
+        }
+        Err(ParseError::UnknownLink) => {
+            count(Reason::RxNoPolicy, len as u64);
+            return xdp_action::XDP_PASS;
+        }
+    };
+    let Some(src) = frame.src else {
+        count(Reason::RxNonIp, len as u64);
+        return xdp_action::XDP_PASS;
+    };
+    let l3_len = (len - frame.l2_len) as u64;
+    // SAFETY: read only, before any insert or remove on this map.
+    let blocked = matches!(unsafe { PEERS.get(&src) }, Some(p) if p.pin == peer_pin::BLOCK);
+    if let Some(t) = traffic(&src) {
+        // SAFETY: this CPU's slot; see `count`.
+        unsafe {
+            if blocked {
+                (*t).rx_dropped += 1;
+            } else {
+                (*t).rx_packets += 1;
+                (*t).rx_bytes += l3_len;
+            }
+            (*t).last_seen_ns = bpf_ktime_get_ns();
+        }
+    }
+    if blocked {
+        count(Reason::RxDropBlocked, l3_len);
+        return xdp_action::XDP_DROP;
+    }
+    count(Reason::RxPeer, l3_len);
+    xdp_action::XDP_PASS
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

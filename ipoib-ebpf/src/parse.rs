@@ -1,0 +1,185 @@
+//! Bounds-checked parsing of IPoIB and Ethernet frames, shared by both programs.
+//!
+//! Every read goes through [`ptr_at`], which the verifier sees as a packet-bounds check.
+
+use core::mem::size_of;
+
+use ipoib_common::{
+    ARPHRD_ETHER, ARPHRD_INFINIBAND, ETH_HLEN, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, ICMPV6_ND_FIRST,
+    ICMPV6_ND_LAST, IPOIB_FLAG_RC, IPOIB_GID_OFFSET, IPOIB_HARD_LEN, IPOIB_HWADDR_LEN,
+    IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, PeerKey, Reason,
+};
+
+/// The deepest byte any parse reads: IPoIB header, IPv4 with the longest options, TCP.
+pub const PARSE_MAX: usize = IPOIB_HARD_LEN + 60 + 20;
+
+/// Why a frame could not be parsed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum ParseError {
+    /// The policy names a link type this program does not know.
+    UnknownLink,
+    /// Truncated, or a header field that cannot be (IP version, IHL, TCP data offset).
+    Malformed,
+}
+
+/// What the decisions need to know about one frame.
+pub struct Frame {
+    /// Bytes before the IP header.
+    pub l2_len: usize,
+    /// The destination address' flags byte (IPoIB framing; 0 on Ethernet).
+    pub flags: u8,
+    /// The destination advertises connected mode (flags has `IPOIB_FLAG_RC`, IPoIB only).
+    pub rc_flag: bool,
+    /// Multicast or broadcast, at L2 or at L3.
+    pub multicast: bool,
+    pub ethertype: u16,
+    /// Destination and source peer, for IP packets.
+    pub dst: Option<PeerKey>,
+    pub src: Option<PeerKey>,
+    /// ICMPv6 Neighbor Discovery (RFC 4755: must go over UD).
+    pub neighbor_discovery: bool,
+    /// TCP to or from the CM handshake port.
+    pub control: bool,
+}
+
+impl Frame {
+    /// The peer this frame is sent to, when it is unicast IP.
+    #[inline(always)]
+    pub fn unicast_dst(&self) -> Option<PeerKey> {
+        if self.multicast { None } else { self.dst }
+    }
+
+    /// The reason for a frame that is not IP.
+    #[inline(always)]
+    pub fn non_ip_reason(&self) -> Reason {
+        if self.ethertype == ETH_P_ARP {
+            Reason::TxUdArp
+        } else {
+            Reason::TxUdNonIp
+        }
+    }
+}
+
+/// A pointer to a `T` at `offset`, or `None` when it does not lie wholly inside the packet.
+#[inline(always)]
+fn ptr_at<T>(data: usize, data_end: usize, offset: usize) -> Result<*const T, ParseError> {
+    if data + offset + size_of::<T>() > data_end {
+        return Err(ParseError::Malformed);
+    }
+    Ok((data + offset) as *const T)
+}
+
+#[inline(always)]
+fn be16(b: [u8; 2]) -> u16 {
+    u16::from_be_bytes(b)
+}
+
+/// Parses the frame between `data` and `data_end` as `link_type` framing.
+/// `ctl_port` (0: none) marks TCP to or from the handshake port.
+#[inline(always)]
+pub fn parse(
+    data: usize,
+    data_end: usize,
+    link_type: u16,
+    ctl_port: u16,
+) -> Result<Frame, ParseError> {
+    let mut f = Frame {
+        l2_len: 0,
+        flags: 0,
+        rc_flag: false,
+        multicast: false,
+        ethertype: 0,
+        dst: None,
+        src: None,
+        neighbor_discovery: false,
+        control: false,
+    };
+    match link_type {
+        ARPHRD_INFINIBAND => {
+            let h: *const [u8; IPOIB_HARD_LEN] = ptr_at(data, data_end, 0)?;
+            // SAFETY: bounds checked by ptr_at.
+            let h = unsafe { &*h };
+            f.l2_len = IPOIB_HARD_LEN;
+            f.flags = h[0];
+            f.rc_flag = h[0] & IPOIB_FLAG_RC != 0;
+            f.multicast = h[IPOIB_GID_OFFSET] == 0xff;
+            f.ethertype = be16([h[IPOIB_HWADDR_LEN], h[IPOIB_HWADDR_LEN + 1]]);
+        }
+        ARPHRD_ETHER => {
+            let h: *const [u8; ETH_HLEN] = ptr_at(data, data_end, 0)?;
+            // SAFETY: bounds checked by ptr_at.
+            let h = unsafe { &*h };
+            f.l2_len = ETH_HLEN;
+            f.multicast = h[0] & 1 != 0;
+            f.ethertype = be16([h[12], h[13]]);
+        }
+        _ => return Err(ParseError::UnknownLink),
+    }
+    let l2 = f.l2_len;
+    let (proto, l4) = match f.ethertype {
+        ETH_P_IP => {
+            let ip: *const [u8; 20] = ptr_at(data, data_end, l2)?;
+            // SAFETY: bounds checked by ptr_at.
+            let ip = unsafe { &*ip };
+            if ip[0] >> 4 != 4 {
+                return Err(ParseError::Malformed);
+            }
+            let ihl = ((ip[0] & 0x0f) as usize) * 4;
+            if ihl < 20 {
+                return Err(ParseError::Malformed);
+            }
+            let dst = [ip[16], ip[17], ip[18], ip[19]];
+            f.dst = Some(PeerKey::v4(dst));
+            f.src = Some(PeerKey::v4([ip[12], ip[13], ip[14], ip[15]]));
+            if dst[0] & 0xf0 == 0xe0 || dst == [0xff; 4] {
+                f.multicast = true;
+            }
+            // Later fragments carry no L4 header.
+            if be16([ip[6], ip[7]]) & 0x1fff != 0 {
+                return Ok(f);
+            }
+            (ip[9], l2 + ihl)
+        }
+        ETH_P_IPV6 => {
+            let ip: *const [u8; 40] = ptr_at(data, data_end, l2)?;
+            // SAFETY: bounds checked by ptr_at.
+            let ip = unsafe { &*ip };
+            if ip[0] >> 4 != 6 {
+                return Err(ParseError::Malformed);
+            }
+            let mut src = [0u8; 16];
+            let mut dst = [0u8; 16];
+            src.copy_from_slice(&ip[8..24]);
+            dst.copy_from_slice(&ip[24..40]);
+            f.multicast |= dst[0] == 0xff;
+            f.dst = Some(PeerKey::v6(dst));
+            f.src = Some(PeerKey::v6(src));
+            (ip[6], l2 + 40)
+        }
+        _ => return Ok(f),
+    };
+    match proto {
+        IPPROTO_TCP => {
+            let tcp: *const [u8; 20] = ptr_at(data, data_end, l4)?;
+            // SAFETY: bounds checked by ptr_at.
+            let tcp = unsafe { &*tcp };
+            if tcp[12] >> 4 < 5 {
+                return Err(ParseError::Malformed);
+            }
+            let sport = be16([tcp[0], tcp[1]]);
+            let dport = be16([tcp[2], tcp[3]]);
+            f.control = ctl_port != 0 && (sport == ctl_port || dport == ctl_port);
+        }
+        IPPROTO_UDP => {
+            let _udp: *const [u8; 8] = ptr_at(data, data_end, l4)?;
+        }
+        IPPROTO_ICMPV6 if f.ethertype == ETH_P_IPV6 => {
+            let icmp: *const [u8; 4] = ptr_at(data, data_end, l4)?;
+            // SAFETY: bounds checked by ptr_at.
+            let ty = unsafe { (*icmp)[0] };
+            f.neighbor_discovery = (ICMPV6_ND_FIRST..=ICMPV6_ND_LAST).contains(&ty);
+        }
+        _ => {}
+    }
+    Ok(f)
+}
