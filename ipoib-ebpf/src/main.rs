@@ -159,13 +159,13 @@ fn egress(ctx: &TcContext) -> i32 {
 
 #[inline(always)]
 fn decide(frame: &Frame, policy: &Policy, l3_len: u64) -> Verdict {
-    if frame.multicast {
-        return Verdict::ud(Reason::TxUdMulticast, false);
-    }
     let Some(dst) = frame.dst else {
         // Not IP (ARP, or an ethertype we do not handle): the kernel sends it UD itself.
         return Verdict::ud(frame.non_ip_reason(), false);
     };
+    if frame.multicast {
+        return Verdict::ud(Reason::TxUdMulticast, false);
+    }
     let global_forbids = policy.mode == global_mode::DATAGRAM || policy.kernel_cm == 0;
     if frame.neighbor_discovery {
         return Verdict::ud(Reason::TxUdNeighborDiscovery, true);
