@@ -174,7 +174,10 @@ pub struct Policy {
     pub heartbeat_timeout_ns: u64,
     /// TCP port of the CM handshake: its traffic always goes UD (it must not depend on CM).
     pub ctl_port: u16,
-    pub _pad: [u8; 6],
+    /// 1 when at least one peer is pinned `BLOCK`: only then does ingress look peers up
+    /// (saves a hash lookup per received packet). The control plane keeps it in step.
+    pub any_blocked: u8,
+    pub _pad: [u8; 5],
 }
 
 pub const DEFAULT_CM_MIN_BYTES: u32 = 1024;
@@ -191,7 +194,8 @@ impl Policy {
             cm_min_bytes: DEFAULT_CM_MIN_BYTES,
             heartbeat_timeout_ns: DEFAULT_HEARTBEAT_TIMEOUT_NS,
             ctl_port: DEFAULT_CTL_PORT,
-            _pad: [0; 6],
+            any_blocked: 0,
+            _pad: [0; 5],
         }
     }
 }
@@ -200,7 +204,8 @@ impl Policy {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Heartbeat {
-    /// CLOCK_MONOTONIC in ns (the clock `bpf_ktime_get_ns` reads). Zero: never written.
+    /// CLOCK_MONOTONIC in ns. The fast path compares it with `bpf_ktime_get_coarse_ns`
+    /// (CLOCK_MONOTONIC_COARSE: the same clock, at most a tick behind). Zero: never written.
     pub monotonic_ns: u64,
     /// pid of the process that wrote it.
     pub writer_pid: u32,
@@ -219,7 +224,7 @@ pub struct PeerTraffic {
     pub rx_packets: u64,
     pub rx_bytes: u64,
     pub rx_dropped: u64,
-    /// `bpf_ktime_get_ns` of the last packet either way.
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC, tick resolution) of the last packet.
     pub last_seen_ns: u64,
 }
 
@@ -413,6 +418,7 @@ mod tests {
         assert_eq!(offset_of!(Policy, cm_min_bytes), 4);
         assert_eq!(offset_of!(Policy, heartbeat_timeout_ns), 8);
         assert_eq!(offset_of!(Policy, ctl_port), 16);
+        assert_eq!(offset_of!(Policy, any_blocked), 18);
 
         assert_eq!((size_of::<Heartbeat>(), align_of::<Heartbeat>()), (16, 8));
         assert_eq!(offset_of!(Heartbeat, writer_pid), 8);
@@ -433,7 +439,7 @@ mod tests {
     fn no_implicit_padding() {
         assert_eq!(16 + 1 + 3, size_of::<PeerKey>());
         assert_eq!(1 + 1 + 2 + 4 + 4 + 4, size_of::<PeerEntry>());
-        assert_eq!(2 + 1 + 1 + 4 + 8 + 2 + 6, size_of::<Policy>());
+        assert_eq!(2 + 1 + 1 + 4 + 8 + 2 + 1 + 5, size_of::<Policy>());
         assert_eq!(8 + 4 + 4, size_of::<Heartbeat>());
         assert_eq!(8 * 8, size_of::<PeerTraffic>());
         assert_eq!(8 + 8, size_of::<Counter>());

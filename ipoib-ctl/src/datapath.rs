@@ -12,6 +12,10 @@ use crate::maps::{DatapathMaps, MapsError};
 pub static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ipoib-ebpf"));
 
+/// Trivial programs of the same types (`baseline_tc`, `baseline_xdp`), for benchmarks.
+pub static BASELINE_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ipoib-baseline"));
+
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
     #[error("loading the eBPF object failed (needs root, or CAP_BPF and CAP_NET_ADMIN): {0}")]

@@ -17,7 +17,7 @@ mod parse;
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_OK, xdp_action},
     btf_maps::{Array, HashMap, LruPerCpuHashMap, PerCpuArray},
-    helpers::{bpf_ktime_get_ns, bpf_redirect},
+    helpers::{bpf_ktime_get_coarse_ns, bpf_redirect},
     macros::{btf_map, classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -125,22 +125,31 @@ fn egress(ctx: &TcContext) -> i32 {
         }
     };
     let l3_len = (len - frame.l2_len) as u64;
-    let verdict = decide(&frame, policy, l3_len);
+    // The coarse clock (a tick's resolution) is plenty for last-seen and a deadline of
+    // seconds, and cheaper than bpf_ktime_get_ns. Read once, and only for unicast IP: the
+    // only packets that use it.
+    let dst = frame.unicast_dst();
+    let now = if dst.is_some() {
+        unsafe { bpf_ktime_get_coarse_ns() }
+    } else {
+        0
+    };
+    let verdict = decide(&frame, policy, l3_len, now);
     count(verdict.reason, l3_len);
 
-    if let Some(dst) = frame.unicast_dst() {
-        if let Some(t) = traffic(&dst) {
-            // SAFETY: this CPU's slot; see `count`.
-            unsafe {
-                if verdict.reason == Reason::TxCmRedirect {
-                    (*t).tx_cm_packets += 1;
-                    (*t).tx_cm_bytes += l3_len;
-                } else {
-                    (*t).tx_ud_packets += 1;
-                    (*t).tx_ud_bytes += l3_len;
-                }
-                (*t).last_seen_ns = bpf_ktime_get_ns();
+    if let Some(dst) = dst
+        && let Some(t) = traffic(&dst)
+    {
+        // SAFETY: this CPU's slot; see `count`.
+        unsafe {
+            if verdict.reason == Reason::TxCmRedirect {
+                (*t).tx_cm_packets += 1;
+                (*t).tx_cm_bytes += l3_len;
+            } else {
+                (*t).tx_ud_packets += 1;
+                (*t).tx_ud_bytes += l3_len;
             }
+            (*t).last_seen_ns = now;
         }
     }
 
@@ -158,7 +167,7 @@ fn egress(ctx: &TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn decide(frame: &Frame, policy: &Policy, l3_len: u64) -> Verdict {
+fn decide(frame: &Frame, policy: &Policy, l3_len: u64, now: u64) -> Verdict {
     let Some(dst) = frame.dst else {
         // Not IP (ARP, or an ethertype we do not handle): the kernel sends it UD itself.
         return Verdict::ud(frame.non_ip_reason(), false);
@@ -176,8 +185,14 @@ fn decide(frame: &Frame, policy: &Policy, l3_len: u64) -> Verdict {
     if policy.mode == global_mode::DATAGRAM {
         return Verdict::ud(Reason::TxUdDatagramMode, true);
     }
+    let small = l3_len < policy.cm_min_bytes as u64;
+    if small && global_forbids {
+        // Whatever the peer's state, this packet goes UD with kernel CM forbidden: spare the
+        // peer lookup (the common case for small packets).
+        return Verdict::ud(Reason::TxUdSmall, true);
+    }
     // SAFETY: the entry is only read here, before any insert or remove on this map.
-    let Some(peer) = (unsafe { PEERS.get(&dst) }) else {
+    let Some(peer) = (unsafe { PEERS.get(dst) }) else {
         return Verdict::ud(Reason::TxUdNoPeer, global_forbids);
     };
     if peer.pin == peer_pin::UD {
@@ -186,10 +201,10 @@ fn decide(frame: &Frame, policy: &Policy, l3_len: u64) -> Verdict {
     if peer.mode != peer_mode::CM_UP || peer.cm_ifindex == 0 {
         return Verdict::ud(Reason::TxUdPeerNotUp, global_forbids);
     }
-    if l3_len < policy.cm_min_bytes as u64 {
+    if small {
         return Verdict::ud(Reason::TxUdSmall, global_forbids);
     }
-    if heartbeat_stale(policy) {
+    if heartbeat_stale(policy, now) {
         return Verdict::ud(Reason::TxUdHeartbeatStale, global_forbids);
     }
     Verdict {
@@ -201,14 +216,13 @@ fn decide(frame: &Frame, policy: &Policy, l3_len: u64) -> Verdict {
 
 /// The fail-safe: a control plane that stopped writing its heartbeat gets no CM traffic.
 #[inline(always)]
-fn heartbeat_stale(policy: &Policy) -> bool {
+fn heartbeat_stale(policy: &Policy, now: u64) -> bool {
     let Some(hb) = HEARTBEAT.get(0) else {
         return true;
     };
     if hb.monotonic_ns == 0 {
         return true;
     }
-    let now = unsafe { bpf_ktime_get_ns() };
     now > hb.monotonic_ns && now - hb.monotonic_ns > policy.heartbeat_timeout_ns
 }
 
@@ -247,7 +261,8 @@ fn ingress(ctx: &XdpContext) -> u32 {
     };
     let l3_len = (len - frame.l2_len) as u64;
     // SAFETY: read only, before any insert or remove on this map.
-    let blocked = matches!(unsafe { PEERS.get(&src) }, Some(p) if p.pin == peer_pin::BLOCK);
+    let blocked = policy.any_blocked != 0
+        && matches!(unsafe { PEERS.get(src) }, Some(p) if p.pin == peer_pin::BLOCK);
     if let Some(t) = traffic(&src) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe {
@@ -257,7 +272,7 @@ fn ingress(ctx: &XdpContext) -> u32 {
                 (*t).rx_packets += 1;
                 (*t).rx_bytes += l3_len;
             }
-            (*t).last_seen_ns = bpf_ktime_get_ns();
+            (*t).last_seen_ns = bpf_ktime_get_coarse_ns();
         }
     }
     if blocked {

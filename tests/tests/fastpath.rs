@@ -32,6 +32,12 @@ fn install_peers(h: &mut Harness) {
         };
         h.dp.maps.set_peer(key, entry).unwrap();
     }
+    // A BLOCK pin is installed: the control plane raises the policy's flag with it.
+    let p = h.policy();
+    h.set_policy(Policy {
+        any_blocked: 1,
+        ..p
+    });
 }
 
 fn harness(test: &str, link: Link) -> Option<Harness> {
@@ -745,7 +751,8 @@ fn ingress_counts_and_blocks() {
         };
         as_ingress(&FrameSpec::tcp(uc, src, dst, len).build(), Link::Ipoib)
     };
-    let cases: Vec<(&str, Vec<u8>, u32, Reason, Option<&str>)> = vec![
+    type IngressCase = (&'static str, Vec<u8>, u32, Reason, Option<&'static str>);
+    let cases: Vec<IngressCase> = vec![
         (
             "v4 from peer",
             from("10.0.0.2", BIG),
@@ -802,6 +809,7 @@ fn ingress_counts_and_blocks() {
         assert_eq!(d.len(), 1, "{name}: counted once: {d:?}");
         assert_eq!((d[0].0, d[0].1), (reason, 1), "{name}: reason");
         if let (Some(p), Some(tb)) = (peer, t_before) {
+            assert!(h.traffic(p).last_seen_ns > 0, "{name}: last_seen");
             let ta = h.traffic(p);
             let l3 = (frame.len() - 24) as u64;
             if reason == Reason::RxDropBlocked {
@@ -813,6 +821,26 @@ fn ingress_counts_and_blocks() {
             }
         }
     }
+}
+
+/// The block is gated by the policy's `any_blocked` flag, which spares the peers lookup on
+/// every received packet when nobody is blocked.
+#[test]
+fn ingress_block_needs_the_policy_flag() {
+    let Some(mut h) = harness("ingress_block_needs_the_policy_flag", Link::Ipoib) else {
+        return;
+    };
+    let frame = as_ingress(
+        &FrameSpec::tcp(L2::unicast(Link::Ipoib), "10.0.0.6", "10.0.0.1", BIG).build(),
+        Link::Ipoib,
+    );
+    assert_eq!(h.ingress(&frame).unwrap().retval, XDP_DROP);
+    let p = h.policy();
+    h.set_policy(Policy {
+        any_blocked: 0,
+        ..p
+    });
+    assert_eq!(h.ingress(&frame).unwrap().retval, XDP_PASS);
 }
 
 /// Every truncation of valid frames, from 0 bytes to the end of the L4 header: below it the

@@ -1,1 +1,180 @@
-fn main() {}
+//! Project tasks that are not builds. `cargo xtask --help` lists them.
+//!
+//! Everything a fresh machine lacks is installed by `provision`, which every other task runs
+//! first; it is idempotent and a second run does nothing.
+
+mod provision;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "ipoib-hybrid project tasks",
+    after_help = "Examples:\n  cargo xtask provision      install what builds and tests need\n  \
+                  cargo xtask test           provision, then run every test (CI runs this)\n  \
+                  cargo xtask bench datapath ns/packet of each program vs a trivial one"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the toolchain parts and Debian packages the project needs (idempotent).
+    Provision {
+        /// Also what the soft-RoCE VM needs (qemu, Debian's kernel, rdma-core, virtme-ng).
+        #[arg(long)]
+        vm: bool,
+    },
+    /// Provision, then run fmt, clippy and every test. Needs root for the kernel tests.
+    Test {
+        /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
+    Bench {
+        #[command(subcommand)]
+        what: Bench,
+    },
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// ns per packet of each eBPF program through BPF_PROG_TEST_RUN, beside a trivial program
+    /// of the same type in the same run.
+    Datapath {
+        /// Runs per measurement (the kernel reports the mean).
+        #[arg(long, default_value_t = 1_000_000)]
+        repeat: u32,
+        /// Interleaved rounds; the median is reported.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    match cli.cmd {
+        Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
+        Cmd::Test { args } => test(&root, &args),
+        Cmd::Bench {
+            what: Bench::Datapath { repeat, rounds },
+        } => {
+            provision::run(provision::Scope::default())?;
+            let out = root.join("target/bench/datapath.json");
+            cargo(&root)
+                .args([
+                    "run",
+                    "--release",
+                    "-q",
+                    "-p",
+                    "ipoib-tests",
+                    "--bin",
+                    "bench-datapath",
+                ])
+                .arg("--")
+                .args([
+                    "--repeat",
+                    &repeat.to_string(),
+                    "--rounds",
+                    &rounds.to_string(),
+                ])
+                .arg("--out")
+                .arg(&out)
+                .status_ok("bench-datapath")
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn cargo(root: &Path) -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root);
+    c
+}
+
+/// `cargo +nightly`, through rustup (not the cargo that runs xtask, which is stable).
+fn cargo_nightly(dir: &Path) -> Command {
+    let mut c = Command::new("rustup");
+    c.args(["run", "nightly", "cargo"]).current_dir(dir);
+    for v in ["CARGO", "RUSTC", "RUSTUP_TOOLCHAIN", "RUSTC_WRAPPER"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+trait StatusOk {
+    fn status_ok(&mut self, what: &str) -> Result<()>;
+}
+
+impl StatusOk for Command {
+    fn status_ok(&mut self, what: &str) -> Result<()> {
+        let status = self
+            .status()
+            .with_context(|| format!("could not start {what}"))?;
+        if !status.success() {
+            bail!("{what} failed ({status})");
+        }
+        Ok(())
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn test(root: &Path, args: &[String]) -> Result<()> {
+    provision::run(provision::Scope::default())?;
+    provision::ensure_bpffs()?;
+    println!("==> cargo fmt --check");
+    cargo(root)
+        .args(["fmt", "--all", "--check"])
+        .status_ok("cargo fmt --check")?;
+    println!("==> cargo clippy -D warnings");
+    cargo(root)
+        .args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "-q",
+            "--",
+            "-D",
+            "warnings",
+        ])
+        .status_ok("cargo clippy")?;
+    let mut c = cargo(root);
+    c.args(["test", "--workspace"]);
+    if is_root() {
+        // CI is root: a test that needs BPF must run, never skip.
+        c.env("IPOIB_REQUIRE_BPF", "1");
+    } else {
+        eprintln!(
+            "!!! not root: tests that need BPF will SKIP loudly. CI runs as root and runs them all."
+        );
+    }
+    if !args.is_empty() {
+        c.arg("--").args(args);
+    }
+    println!("==> cargo test --workspace");
+    c.status_ok("cargo test")
+}

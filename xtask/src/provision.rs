@@ -1,0 +1,261 @@
+//! Installs what a fresh machine of this kind lacks, and nothing else. Idempotent: each step
+//! checks first, so a second run on a provisioned machine only checks and takes seconds.
+//!
+//! The facts behind each step are in ../shared/notes/toolchain.md: bpf-linker 0.13 needs a
+//! shared libLLVM 22, which Debian 12 does not package, so it is built against the nightly
+//! toolchain's own libLLVM through a shim prefix kept under ~/.cache (the binary keeps an rpath
+//! to it, so the shim must stay put).
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{StatusOk as _, is_root};
+
+#[derive(Default, Clone, Copy)]
+pub struct Scope {
+    pub vm: bool,
+}
+
+/// Debian packages the host-side tests and the lab need, with why.
+const BASE_PACKAGES: &[(&str, &str)] = &[
+    (
+        "bpftool",
+        "inspect programs and maps; the BTF field-name test",
+    ),
+    (
+        "iproute2",
+        "network namespaces, veth pairs and tc for the lab",
+    ),
+    ("iperf3", "a real bulk TCP flow in the lab"),
+];
+
+/// What the soft-RoCE VM needs on top.
+const VM_PACKAGES: &[(&str, &str)] = &[
+    ("qemu-system-x86", "boots the VM"),
+    (
+        "linux-image-amd64",
+        "Debian's 6.1 kernel with rdma_rxe, the VM's kernel",
+    ),
+    ("rdma-core", "soft-RoCE (rxe) userspace"),
+    ("ibverbs-providers", "the rxe verbs provider"),
+    ("ibverbs-utils", "ibv_devinfo, to check discovery against"),
+    ("perftest", "ib_send_bw, the throughput baseline"),
+    ("libibverbs-dev", "the ibverbs crate links libibverbs"),
+    ("cmake", "ibverbs-sys builds its bundled rdma-core"),
+    ("pkg-config", "ibverbs-sys"),
+    ("libnl-3-dev", "ibverbs-sys"),
+    ("libnl-route-3-dev", "ibverbs-sys"),
+    ("libclang-dev", "bindgen in ibverbs-sys"),
+    ("clang", "bindgen in ibverbs-sys"),
+    ("busybox-static", "a static init-time toolbox inside the VM"),
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+pub fn run(scope: Scope) -> Result<()> {
+    let mut did = Vec::new();
+    nightly_rust_src(&mut did)?;
+    bpf_linker(&mut did)?;
+    let mut pkgs: Vec<_> = BASE_PACKAGES.to_vec();
+    if scope.vm {
+        pkgs.extend_from_slice(VM_PACKAGES);
+    }
+    debian_packages(&pkgs, &mut did)?;
+    if scope.vm {
+        virtme_ng(&mut did)?;
+    }
+    if did.is_empty() {
+        println!("provision: everything already present");
+    } else {
+        println!("provision: installed {}", did.join(", "));
+    }
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Option<String> {
+    let out = cmd.output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A clean command: nothing of the cargo process that runs xtask leaks into it.
+fn clean(program: &str) -> Command {
+    let mut c = Command::new(program);
+    for v in [
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTUP_TOOLCHAIN",
+        "CARGO_TARGET_DIR",
+        "RUSTFLAGS",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn nightly_sysroot() -> Result<PathBuf> {
+    let out = output(clean("rustc").args(["+nightly", "--print", "sysroot"])).context(
+        "no nightly Rust toolchain: the eBPF crate needs one (`rustup toolchain install \
+         nightly`); machines of this kind ship with it",
+    )?;
+    Ok(PathBuf::from(out.trim()))
+}
+
+fn nightly_rust_src(did: &mut Vec<String>) -> Result<()> {
+    let installed = output(clean("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        "nightly",
+    ]))
+    .unwrap_or_default();
+    if installed.lines().any(|l| l.starts_with("rust-src")) {
+        return Ok(());
+    }
+    println!("provision: adding rust-src to nightly (for -Z build-std=core on bpfel-unknown-none)");
+    clean("rustup")
+        .args(["component", "add", "rust-src", "--toolchain", "nightly"])
+        .status_ok("rustup component add rust-src")?;
+    did.push("rust-src (nightly)".into());
+    Ok(())
+}
+
+fn bpf_linker_ok() -> bool {
+    output(clean("bpf-linker").arg("--version"))
+        .is_some_and(|v| v.split_whitespace().nth(1) == Some(BPF_LINKER_VERSION))
+}
+
+/// The nightly toolchain's libLLVM shared object (`libLLVM.so.<maj>.<min>-rust-...`; the
+/// `libLLVM-<maj>-rust-*.so` beside it is a linker script, not the library).
+fn nightly_libllvm(sysroot: &Path) -> Result<(PathBuf, u32)> {
+    let lib = sysroot.join("lib");
+    for entry in std::fs::read_dir(&lib).with_context(|| format!("reading {}", lib.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(rest) = name.strip_prefix("libLLVM.so.") {
+            let major = rest
+                .split('.')
+                .next()
+                .and_then(|m| m.parse::<u32>().ok())
+                .with_context(|| format!("cannot read the LLVM version of {name}"))?;
+            return Ok((entry.path(), major));
+        }
+    }
+    bail!("no libLLVM.so.* in {}", lib.display())
+}
+
+fn bpf_linker(did: &mut Vec<String>) -> Result<()> {
+    if bpf_linker_ok() {
+        return Ok(());
+    }
+    let sysroot = nightly_sysroot()?;
+    let (libllvm, major) = nightly_libllvm(&sysroot)?;
+    if major != 22 {
+        bail!(
+            "bpf-linker {BPF_LINKER_VERSION} is built here for LLVM 22, but the nightly \
+             toolchain has LLVM {major} ({}); update BPF_LINKER_VERSION and the feature",
+            libllvm.display()
+        );
+    }
+    let home = std::env::var_os("HOME").context("HOME is not set")?;
+    let shim = PathBuf::from(home).join(".cache/ipoib-hybrid/llvm-shim");
+    let shim_lib = shim.join("lib");
+    std::fs::create_dir_all(&shim_lib)?;
+    let file_name = libllvm.file_name().expect("file name");
+    for link in [shim_lib.join("libLLVM.so"), shim_lib.join(file_name)] {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&libllvm, &link)
+            .with_context(|| format!("linking {}", link.display()))?;
+    }
+    println!(
+        "provision: building bpf-linker {BPF_LINKER_VERSION} against the nightly toolchain's \
+         libLLVM {major} (shim {}; about 3 minutes on 2 cores)",
+        shim.display()
+    );
+    clean("cargo")
+        .env("LLVM_PREFIX", &shim)
+        .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])
+        .args(["--no-default-features", "--features", "llvm-22", "--force"])
+        .status_ok("cargo install bpf-linker")?;
+    if !bpf_linker_ok() {
+        bail!(
+            "bpf-linker was installed but `bpf-linker --version` does not run: is ~/.cargo/bin on PATH?"
+        );
+    }
+    did.push(format!("bpf-linker {BPF_LINKER_VERSION}"));
+    Ok(())
+}
+
+fn dpkg_installed(pkg: &str) -> bool {
+    output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))
+        .is_some_and(|s| s.trim() == "install ok installed")
+}
+
+fn debian_packages(pkgs: &[(&str, &str)], did: &mut Vec<String>) -> Result<()> {
+    let missing: Vec<_> = pkgs.iter().filter(|(p, _)| !dpkg_installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    for (p, why) in &missing {
+        println!("provision: Debian package {p}: {why}");
+    }
+    if !is_root() {
+        let names: Vec<_> = missing.iter().map(|(p, _)| *p).collect();
+        bail!(
+            "installing Debian packages needs root: run `sudo apt-get install {}` or run \
+             this as root",
+            names.join(" ")
+        );
+    }
+    Command::new("apt-get")
+        .arg("update")
+        .arg("-qq")
+        .status_ok("apt-get update")?;
+    Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(missing.iter().map(|(p, _)| *p))
+        .status_ok("apt-get install")?;
+    did.extend(missing.iter().map(|(p, _)| p.to_string()));
+    Ok(())
+}
+
+fn virtme_ng(did: &mut Vec<String>) -> Result<()> {
+    if output(Command::new("vng").arg("--version")).is_some() {
+        return Ok(());
+    }
+    println!("provision: virtme-ng from PyPI: boots Debian's kernel with the host's filesystem");
+    Command::new("python3")
+        .args(["-m", "pip", "install", "-q", "virtme-ng==1.42"])
+        .status_ok("pip install virtme-ng")?;
+    did.push("virtme-ng".into());
+    Ok(())
+}
+
+/// Mounts bpffs at /sys/fs/bpf when it is missing (a fresh machine here has none).
+pub fn ensure_bpffs() -> Result<()> {
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    if mounts
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf "))
+    {
+        return Ok(());
+    }
+    if !is_root() {
+        println!(
+            "provision: bpffs is not mounted at /sys/fs/bpf and we are not root: pin tests will skip"
+        );
+        return Ok(());
+    }
+    println!("provision: mounting bpffs at /sys/fs/bpf (pins live there)");
+    std::fs::create_dir_all("/sys/fs/bpf").ok();
+    Command::new("mount")
+        .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+        .status_ok("mount -t bpf")
+}
