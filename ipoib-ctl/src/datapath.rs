@@ -43,6 +43,12 @@ pub struct Datapath {
 impl Datapath {
     /// Loads the object, verifies and loads both programs, and takes the maps.
     pub fn load() -> Result<Self, DatapathError> {
+        Self::load_pinned(None)
+    }
+
+    /// Like [`Datapath::load`], pinning every map under `pin_dir` (an existing bpffs
+    /// directory) as it is taken.
+    pub fn load_pinned(pin_dir: Option<&std::path::Path>) -> Result<Self, DatapathError> {
         raise_memlock_limit();
         let mut ebpf = Ebpf::load(EBPF_OBJECT)?;
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -68,7 +74,7 @@ impl Datapath {
         ingress
             .load()
             .map_err(|source| DatapathError::Program { name, source })?;
-        let maps = DatapathMaps::take(&mut ebpf, None)?;
+        let maps = DatapathMaps::take(&mut ebpf, pin_dir)?;
         Ok(Self { ebpf, logger, maps })
     }
 

@@ -1,8 +1,15 @@
 //! Control plane of the IPoIB hybrid datapath.
 //!
 //! One module per concern: [`datapath`] loads the eBPF object, [`maps`] reads and writes its
-//! maps with the shared types of `ipoib-common`, [`clock`] is the clock both sides share.
+//! maps with the shared types of `ipoib-common`, [`attach`] attaches, adopts and detaches
+//! (pins), [`netdev`] asks the kernel about interfaces, [`policy`] parses and validates policy
+//! changes (pure), [`status`] gathers and renders what the datapath reports, [`clock`] is the
+//! clock both sides share.
 
+pub mod attach;
 pub mod clock;
 pub mod datapath;
 pub mod maps;
+pub mod netdev;
+pub mod policy;
+pub mod status;

@@ -1,5 +1,328 @@
-fn main() -> anyhow::Result<()> {
-    let dp = ipoib_ctl::datapath::Datapath::load()?;
-    println!("loaded; policy {:?}", dp.maps.policy()?);
+//! `ipoib-ctl`: attach the IPoIB hybrid datapath to an interface, steer it, inspect it.
+
+use std::{
+    fs::File,
+    os::fd::AsRawFd as _,
+    path::PathBuf,
+    process::ExitCode,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, anyhow};
+use clap::{Parser, Subcommand};
+use ipoib_ctl::{
+    attach::{self, AttachError},
+    clock::monotonic_ns,
+    netdev::Netdev,
+    policy::PolicyChange,
+    status,
+};
+
+/// Exit codes scripts can rely on.
+mod exit {
+    pub const FAILURE: u8 = 1;
+    /// Bad input: nothing was changed (clap's own usage errors also exit 2).
+    pub const BAD_INPUT: u8 = 2;
+    /// Not root, or the kernel refused BPF.
+    pub const NO_PRIVILEGE: u8 = 3;
+    /// The interface is not attached.
+    pub const NOT_ATTACHED: u8 = 4;
+}
+
+const EXIT_CODES: &str = "Exit codes: 0 ok, 1 failure, 2 bad input (nothing changed), \
+                          3 not root or no BPF, 4 interface not attached.";
+
+#[derive(Parser)]
+#[command(
+    name = "ipoib-ctl",
+    version,
+    about = "Control plane of the IPoIB hybrid datapath (UD for everything, CM where it pays)",
+    after_help = EXIT_CODES
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Attach the fast path to IFACE and run the control loop until SIGINT/SIGTERM.
+    ///
+    /// Attaching an attached interface adopts its pinned programs and maps: counters go on
+    /// and traffic sees no gap. On exit the programs stay; once the heartbeat is older than
+    /// heartbeat-timeout the fail-safe sends every packet UD. `detach` removes them.
+    #[command(after_help = "Examples:\n  ipoib-ctl attach ib0\n  \
+                            ipoib-ctl attach ib0 --policy /etc/ipoib-hybrid/ib0.policy\n\n\
+                            The policy file holds set-policy's KEY=VALUE settings, one per \
+                            line, # comments.")]
+    Attach {
+        iface: String,
+        /// Policy file (KEY=VALUE lines, as set-policy takes them).
+        #[arg(long)]
+        policy: Option<PathBuf>,
+    },
+    /// Remove the programs, links and pins from IFACE; traffic keeps flowing on UD.
+    #[command(after_help = "Example:\n  ipoib-ctl detach ib0")]
+    Detach { iface: String },
+    /// Change the policy in force on IFACE; the change is validated whole before any write.
+    #[command(after_help = "Keys:\n  \
+        mode=auto|datagram|connected   interface-wide mode (default auto)\n  \
+        cm-threshold=BYTES             smallest packet worth CM, 64..65520 (default 1024)\n  \
+        heartbeat-timeout=DURATION     fail-safe deadline, 100ms..1h (default 3s)\n  \
+        kernel-cm=on|off               let the kernel's own connected mode carry UD traffic (default off)\n  \
+        ctl-port=PORT                  TCP port of the CM handshake, always UD (default 4755)\n  \
+        memory-budget=SIZE             receive memory for CM, 16MiB..1TiB (default: worked out)\n  \
+        peer=ADDR:ud|cm|auto|block     per-peer override (repeatable; [v6]:pin or v6:pin)\n\n\
+        Examples:\n  ipoib-ctl set-policy ib0 mode=datagram\n  \
+        ipoib-ctl set-policy ib0 cm-threshold=4096 peer=10.0.0.7:ud peer=[fd00::9]:block")]
+    SetPolicy {
+        iface: String,
+        #[arg(required = true, value_name = "KEY=VALUE")]
+        settings: Vec<String>,
+    },
+    /// Print the policy in force on IFACE.
+    #[command(after_help = "Example:\n  ipoib-ctl show-policy ib0 --json")]
+    ShowPolicy {
+        iface: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-interface state, decisions by reason, and peers (all attached interfaces by default).
+    #[command(after_help = "Examples:\n  ipoib-ctl status\n  ipoib-ctl status ib0 --json")]
+    Status {
+        iface: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-peer mode, pin and traffic by path on IFACE.
+    #[command(after_help = "Example:\n  ipoib-ctl peers ib0 --json")]
+    Peers {
+        iface: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+/// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.
+fn lock_iface(iface: &str) -> Result<File> {
+    std::fs::create_dir_all(attach::RUN_DIR)?;
+    let path = PathBuf::from(attach::RUN_DIR).join(format!("{iface}.lock"));
+    let f = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    // SAFETY: flock on an owned, open fd.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let pid = attach::read_state(iface).and_then(|s| s.loop_pid);
+        return Err(anyhow!(
+            "another ipoib-ctl control loop runs for {iface}{}",
+            pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+        ));
+    }
+    Ok(f)
+}
+
+fn cmd_attach(iface: &str, policy: Option<PathBuf>) -> Result<()> {
+    let change = match policy {
+        Some(path) => {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading policy file {}", path.display()))?;
+            Some(
+                PolicyChange::parse_file(&text)
+                    .with_context(|| format!("policy file {}", path.display()))?,
+            )
+        }
+        None => None,
+    };
+    let dev = Netdev::lookup(iface)?;
+    let _lock = lock_iface(iface)?;
+    let mut att = attach::attach(&dev, change.as_ref())?;
+    att.state.loop_pid = Some(std::process::id());
+    attach::write_state(&att.state)?;
+    tracing::info!(
+        "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
+        if att.adopted { "adopted" } else { "attached" },
+        dev.ifindex,
+        att.state.egress,
+        att.state.xdp_mode
+    );
+    install_signal_handlers();
+    let mut detached = false;
+    while !STOP.load(Ordering::SeqCst) {
+        if !attach::is_attached(iface) {
+            detached = true;
+            break;
+        }
+        let timeout = att
+            .maps
+            .policy()
+            .map(|p| p.heartbeat_timeout_ns)
+            .unwrap_or(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
+        att.maps.beat(monotonic_ns())?;
+        if let Some(dp) = att.datapath.as_mut() {
+            dp.flush_logs();
+        }
+        // Four beats per deadline, at most one a second; sleep in short steps for signals.
+        let interval = Duration::from_nanos(timeout / 4)
+            .clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let step = Duration::from_millis(20);
+        let mut slept = Duration::ZERO;
+        while slept < interval && !STOP.load(Ordering::SeqCst) {
+            std::thread::sleep(step);
+            slept += step;
+        }
+    }
+    if detached || !attach::is_attached(iface) {
+        tracing::info!("{iface} was detached; control loop exits");
+        return Ok(());
+    }
+    if let Some(mut s) = attach::read_state(iface) {
+        s.loop_pid = None;
+        attach::write_state(&s)?;
+    }
+    tracing::info!(
+        "control loop stopped; the datapath stays attached to {iface} and goes UD once the \
+         heartbeat is stale (`ipoib-ctl detach {iface}` removes it)"
+    );
     Ok(())
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn attached_ifaces() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(attach::PIN_ROOT)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Attach { iface, policy } => cmd_attach(&iface, policy),
+        Cmd::Detach { iface } => {
+            attach::detach(&iface)?;
+            println!("detached {iface}; traffic continues on the kernel's own path");
+            Ok(())
+        }
+        Cmd::SetPolicy { iface, settings } => {
+            let change = PolicyChange::parse(&settings)?;
+            let mut maps = attach::open(&iface)?;
+            let mut state = attach::read_state(&iface).ok_or_else(|| AttachError::NotAttached {
+                iface: iface.clone(),
+                dir: attach::pin_dir(&iface),
+            })?;
+            let p = attach::set_policy(&mut maps, &mut state, &change)?;
+            println!(
+                "{iface}: {}",
+                status::PolicyView::new(&p, Some(&state)).render()
+            );
+            Ok(())
+        }
+        Cmd::ShowPolicy { iface, json } => {
+            let maps = attach::open(&iface)?;
+            let view =
+                status::PolicyView::new(&maps.policy()?, attach::read_state(&iface).as_ref());
+            if json {
+                print_json(&view)
+            } else {
+                println!("{iface}: {}", view.render());
+                Ok(())
+            }
+        }
+        Cmd::Status { iface, json } => {
+            let ifaces = match iface {
+                Some(i) => vec![i],
+                None => attached_ifaces(),
+            };
+            let all: Vec<_> = ifaces
+                .iter()
+                .map(|i| status::gather(i))
+                .collect::<Result<_, _>>()?;
+            if json {
+                print_json(&all)
+            } else {
+                if all.is_empty() {
+                    println!("no interface is attached (ipoib-ctl attach IFACE)");
+                }
+                for s in &all {
+                    print!("{}", status::render(s));
+                }
+                Ok(())
+            }
+        }
+        Cmd::Peers { iface, json } => {
+            let peers = status::peers(&attach::open(&iface)?)?;
+            if json {
+                print_json(&peers)
+            } else {
+                print!("{iface}:\n{}", status::render_peers(&peers));
+                Ok(())
+            }
+        }
+    }
+}
+
+fn exit_code(e: &anyhow::Error) -> u8 {
+    use ipoib_ctl::{datapath::DatapathError, netdev::NetdevError, policy::PolicyError};
+    for cause in e.chain() {
+        if cause.downcast_ref::<PolicyError>().is_some()
+            || cause.downcast_ref::<NetdevError>().is_some()
+        {
+            return exit::BAD_INPUT;
+        }
+        if let Some(a) = cause.downcast_ref::<AttachError>() {
+            match a {
+                AttachError::NotAttached { .. } => return exit::NOT_ATTACHED,
+                AttachError::Policy(_) | AttachError::Netdev(_) => return exit::BAD_INPUT,
+                AttachError::Datapath(DatapathError::Object(_)) => return exit::NO_PRIVILEGE,
+                _ => {}
+            }
+        }
+    }
+    exit::FAILURE
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "ipoib-ctl: needs root (it loads eBPF programs and reads pins under {}, mode 0700)",
+            attach::PIN_ROOT
+        );
+        return ExitCode::from(exit::NO_PRIVILEGE);
+    }
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ipoib-ctl: {e:#}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
 }

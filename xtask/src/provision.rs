@@ -31,6 +31,7 @@ const BASE_PACKAGES: &[(&str, &str)] = &[
         "network namespaces, veth pairs and tc for the lab",
     ),
     ("iperf3", "a real bulk TCP flow in the lab"),
+    ("iputils-ping", "ping in the lab and its tests"),
 ];
 
 /// What the soft-RoCE VM needs on top.

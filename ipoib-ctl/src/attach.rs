@@ -1,0 +1,468 @@
+//! Attaching the fast path to an interface, adopting an attachment, and detaching it.
+//!
+//! Everything that must outlive the control plane is pinned under
+//! `/sys/fs/bpf/ipoib/IFACE/` (mode 0700): the five maps, both programs and both links. A
+//! control plane that exits leaves the datapath running (the heartbeat goes stale and the
+//! fail-safe sends every packet UD); one that starts again adopts the pins, so counters go on
+//! and traffic never sees a gap.
+//!
+//! What bpffs cannot hold (how egress was attached, the control plane's own settings, the
+//! control loop's pid) lives in `/run/ipoib-ctl/IFACE.json`.
+
+use std::{
+    fs,
+    io::{self, ErrorKind},
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    programs::{
+        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        tc::{self, TcError},
+    },
+    util::KernelVersion,
+};
+use ipoib_common::{Policy, map_names, prog_names};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    clock::monotonic_ns,
+    datapath::{Datapath, DatapathError},
+    maps::{DatapathMaps, MapsError},
+    netdev::{Netdev, NetdevError},
+    policy::{Pin, PolicyChange, PolicyError},
+};
+
+pub const PIN_ROOT: &str = "/sys/fs/bpf/ipoib";
+pub const RUN_DIR: &str = "/run/ipoib-ctl";
+
+const PROG_EGRESS: &str = "prog_egress";
+const PROG_INGRESS: &str = "prog_ingress";
+const LINK_EGRESS: &str = "link_egress";
+const LINK_INGRESS: &str = "link_ingress";
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error(transparent)]
+    Netdev(#[from] NetdevError),
+    #[error(transparent)]
+    Datapath(#[from] DatapathError),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("{iface} is not attached (no pins under {})", dir.display())]
+    NotAttached { iface: String, dir: PathBuf },
+    #[error("the pins under {} belong to an interface with ifindex {pinned}, but {iface} is now ifindex {now}: the interface was recreated; run `ipoib-ctl detach {iface}` first", dir.display())]
+    Stale {
+        iface: String,
+        dir: PathBuf,
+        pinned: u32,
+        now: u32,
+    },
+    #[error("attaching {what} to {iface}: {source}")]
+    Program {
+        what: &'static str,
+        iface: String,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("tc on {iface}: {source}")]
+    Tc {
+        iface: String,
+        #[source]
+        source: TcError,
+    },
+    #[error("bpffs: {0}")]
+    Bpffs(String),
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, AttachError>;
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> AttachError + 'a {
+    move |source| AttachError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How egress was attached: a TCX link (kernels >= 6.6) or a netlink clsact filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EgressAttach {
+    Tcx,
+    Netlink,
+}
+
+/// What the control plane remembers about an attachment beside the pins.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachState {
+    pub iface: String,
+    pub ifindex: u32,
+    pub egress: EgressAttach,
+    /// "driver" or "generic".
+    pub xdp_mode: String,
+    /// The control plane's memory budget (bytes) when set by policy; `None`: worked out.
+    pub memory_budget: Option<u64>,
+    /// pid of the control loop in charge, if one runs.
+    pub loop_pid: Option<u32>,
+}
+
+pub fn pin_dir(iface: &str) -> PathBuf {
+    Path::new(PIN_ROOT).join(iface)
+}
+
+pub fn state_path(iface: &str) -> PathBuf {
+    Path::new(RUN_DIR).join(format!("{iface}.json"))
+}
+
+pub fn read_state(iface: &str) -> Option<AttachState> {
+    let text = fs::read_to_string(state_path(iface)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+pub fn write_state(state: &AttachState) -> Result<()> {
+    let dir = Path::new(RUN_DIR);
+    fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+    let path = state_path(&state.iface);
+    let tmp = path.with_extension("json.tmp");
+    let text = serde_json::to_string_pretty(state).expect("state serialises");
+    fs::write(&tmp, text).map_err(io_err("writing", &tmp))?;
+    fs::rename(&tmp, &path).map_err(io_err("renaming", &path))
+}
+
+/// Mounts bpffs at /sys/fs/bpf when nothing is mounted there.
+pub fn ensure_bpffs() -> Result<()> {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mounted = mounts.lines().any(|l| {
+        let mut f = l.split_whitespace();
+        let (_, at, ty) = (f.next(), f.next(), f.next());
+        at == Some("/sys/fs/bpf") && ty == Some("bpf")
+    });
+    if mounted {
+        return Ok(());
+    }
+    let target = c"/sys/fs/bpf";
+    // SAFETY: valid C strings; mount(2) with no data.
+    let rc = unsafe {
+        libc::mount(
+            c"bpf".as_ptr(),
+            target.as_ptr(),
+            c"bpf".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(AttachError::Bpffs(format!(
+            "bpffs is not mounted at /sys/fs/bpf and mounting it failed: {}",
+            io::Error::last_os_error()
+        )));
+    }
+    tracing::info!("mounted bpffs at /sys/fs/bpf");
+    Ok(())
+}
+
+/// Whether `iface` has the datapath's pins.
+pub fn is_attached(iface: &str) -> bool {
+    pin_dir(iface).join(map_names::POLICY).exists()
+}
+
+/// The maps of an attached interface, for status and set-policy.
+pub fn open(iface: &str) -> Result<DatapathMaps> {
+    let dir = pin_dir(iface);
+    if !is_attached(iface) {
+        return Err(AttachError::NotAttached {
+            iface: iface.to_string(),
+            dir,
+        });
+    }
+    Ok(DatapathMaps::from_pins(&dir)?)
+}
+
+/// An attached interface, as the control loop holds it.
+pub struct Attached {
+    pub maps: DatapathMaps,
+    pub state: AttachState,
+    /// True when existing pins were adopted rather than a fresh attach made.
+    pub adopted: bool,
+    /// The loaded object of a fresh attach (keeps the eBPF logger alive).
+    pub datapath: Option<Datapath>,
+}
+
+/// Attaches the fast path to `dev`, or adopts the attachment its pins describe. `change`
+/// (from `--policy FILE`) is validated before anything is created or written.
+pub fn attach(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
+    dev.check_attachable()?;
+    ensure_bpffs()?;
+    if is_attached(&dev.name) {
+        return adopt(dev, change);
+    }
+    // Validate against the fresh policy before creating anything.
+    let base = Policy::new(dev.arphrd);
+    let policy = match change {
+        Some(c) => c.apply(&base, c.peers.iter().map(|(ip, pin)| (*ip, *pin)))?,
+        None => base,
+    };
+
+    let dir = pin_dir(&dev.name);
+    match fresh_attach(dev, &dir, &policy, change) {
+        Ok(a) => Ok(a),
+        Err(e) => {
+            // Nothing half-made stays behind.
+            if let Err(cleanup) = remove_attachment(&dev.name, None) {
+                tracing::warn!("cleaning up after a failed attach: {cleanup}");
+            }
+            Err(e)
+        }
+    }
+}
+
+fn fresh_attach(
+    dev: &Netdev,
+    dir: &Path,
+    policy: &Policy,
+    change: Option<&PolicyChange>,
+) -> Result<Attached> {
+    let root = Path::new(PIN_ROOT);
+    fs::create_dir_all(root).map_err(io_err("creating", root))?;
+    fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .map_err(io_err("chmod 0700", dir))?;
+
+    let mut dp = Datapath::load_pinned(Some(dir))?;
+    dp.maps.set_policy(policy)?;
+    dp.maps.beat(monotonic_ns())?;
+    if let Some(c) = change {
+        apply_peer_pins(&mut dp.maps, c)?;
+    }
+
+    let iface = dev.name.as_str();
+    let prog_err = |what| {
+        move |source| AttachError::Program {
+            what,
+            iface: iface.to_string(),
+            source,
+        }
+    };
+
+    // Egress: TCX where the kernel has it (>= 6.6), a clsact filter otherwise.
+    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+    let egress: &mut SchedClassifier = dp.egress()?;
+    egress
+        .pin(dir.join(PROG_EGRESS))
+        .map_err(|e| AttachError::Bpffs(e.to_string()))?;
+    if !tcx && let Err(e) = tc::qdisc_add_clsact(iface) {
+        let exists =
+            matches!(&e, TcError::NetlinkError(n) if n.raw_os_error() == Some(libc::EEXIST));
+        if !exists {
+            return Err(AttachError::Tc {
+                iface: iface.to_string(),
+                source: e,
+            });
+        }
+    }
+    let id = egress
+        .attach(iface, TcAttachType::Egress)
+        .map_err(prog_err("ipoib_egress"))?;
+    let link = egress.take_link(id).map_err(prog_err("ipoib_egress"))?;
+    let egress_kind = match FdLink::try_from(link) {
+        Ok(fd) => {
+            fd.pin(dir.join(LINK_EGRESS))
+                .map_err(|e| AttachError::Bpffs(e.to_string()))?;
+            EgressAttach::Tcx
+        }
+        Err(_) => EgressAttach::Netlink,
+    };
+    // A netlink filter has no link to pin: it stays attached because we drop no link for it
+    // (the conversion above consumed and released the handle without detaching).
+
+    // Ingress: generic XDP on ipoib (no native XDP there); native where the driver has it.
+    let ingress: &mut Xdp = dp.ingress()?;
+    ingress
+        .pin(dir.join(PROG_INGRESS))
+        .map_err(|e| AttachError::Bpffs(e.to_string()))?;
+    let (id, mode) = if dev.is_ipoib() {
+        (ingress.attach(iface, XdpMode::Skb), "generic")
+    } else {
+        match ingress.attach(iface, XdpMode::Driver) {
+            Ok(id) => (Ok(id), "driver"),
+            Err(_) => (ingress.attach(iface, XdpMode::Skb), "generic"),
+        }
+    };
+    let id = id.map_err(prog_err("ipoib_ingress"))?;
+    let link = ingress.take_link(id).map_err(prog_err("ipoib_ingress"))?;
+    let fd = FdLink::try_from(link).map_err(|e| AttachError::Bpffs(e.to_string()))?;
+    fd.pin(dir.join(LINK_INGRESS))
+        .map_err(|e| AttachError::Bpffs(e.to_string()))?;
+
+    let state = AttachState {
+        iface: iface.to_string(),
+        ifindex: dev.ifindex,
+        egress: egress_kind,
+        xdp_mode: mode.to_string(),
+        memory_budget: change.and_then(|c| c.memory_budget),
+        loop_pid: None,
+    };
+    write_state(&state)?;
+    // The maps stay pinned; reopen them from the pins so a fresh attach and an adoption hold
+    // the same thing.
+    let maps = DatapathMaps::from_pins(dir)?;
+    Ok(Attached {
+        maps,
+        state,
+        adopted: false,
+        datapath: Some(dp),
+    })
+}
+
+fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
+    let dir = pin_dir(&dev.name);
+    let mut state = read_state(&dev.name).unwrap_or(AttachState {
+        iface: dev.name.clone(),
+        ifindex: dev.ifindex,
+        egress: if dir.join(LINK_EGRESS).exists() {
+            EgressAttach::Tcx
+        } else {
+            EgressAttach::Netlink
+        },
+        xdp_mode: "unknown".into(),
+        memory_budget: None,
+        loop_pid: None,
+    });
+    if state.ifindex != dev.ifindex {
+        return Err(AttachError::Stale {
+            iface: dev.name.clone(),
+            dir,
+            pinned: state.ifindex,
+            now: dev.ifindex,
+        });
+    }
+    let mut maps = DatapathMaps::from_pins(&dir)?;
+    if let Some(c) = change {
+        set_policy(&mut maps, &mut state, c)?;
+    }
+    maps.beat(monotonic_ns())?;
+    write_state(&state)?;
+    Ok(Attached {
+        maps,
+        state,
+        adopted: true,
+        datapath: None,
+    })
+}
+
+/// Every peer's pin once `change` is applied.
+fn pins_after(maps: &DatapathMaps, change: &PolicyChange) -> Result<Vec<(std::net::IpAddr, Pin)>> {
+    let mut pins: std::collections::BTreeMap<_, _> = maps
+        .peers()?
+        .into_iter()
+        .filter_map(|(k, e)| Some((k.ip()?, Pin::from_raw(e.pin).unwrap_or(Pin::Auto))))
+        .collect();
+    pins.extend(change.peers.iter().map(|(ip, pin)| (*ip, *pin)));
+    Ok(pins.into_iter().collect())
+}
+
+fn apply_peer_pins(maps: &mut DatapathMaps, change: &PolicyChange) -> Result<()> {
+    for (ip, pin) in &change.peers {
+        let key = ipoib_common::PeerKey::from(*ip);
+        let mut entry = maps
+            .peers()?
+            .into_iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, e)| e)
+            .unwrap_or_default();
+        entry.pin = pin.raw();
+        maps.set_peer(key, entry)?;
+    }
+    Ok(())
+}
+
+/// Applies a validated change to a live attachment: the whole change is checked before the
+/// first write.
+pub fn set_policy(
+    maps: &mut DatapathMaps,
+    state: &mut AttachState,
+    change: &PolicyChange,
+) -> Result<Policy> {
+    let current = maps.policy()?;
+    let next = change.apply(&current, pins_after(maps, change)?)?;
+    apply_peer_pins(maps, change)?;
+    maps.set_policy(&next)?;
+    if let Some(b) = change.memory_budget {
+        state.memory_budget = Some(b);
+        write_state(state)?;
+    }
+    Ok(next)
+}
+
+/// Detaches the datapath from `iface` and removes its pins and state; traffic keeps flowing
+/// on the kernel's own path. The control loop in charge, if any, is told to stop.
+pub fn detach(iface: &str) -> Result<()> {
+    let dir = pin_dir(iface);
+    if !dir.exists() {
+        return Err(AttachError::NotAttached {
+            iface: iface.to_string(),
+            dir,
+        });
+    }
+    let state = read_state(iface);
+    remove_attachment(iface, state.as_ref())?;
+    // Only now, with nothing left for it to write into, tell the loop to go.
+    if let Some(pid) = state.as_ref().and_then(|s| s.loop_pid)
+        && pid != std::process::id()
+    {
+        // SAFETY: kill(2) with a plain signal; a pid that is gone returns ESRCH.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    Ok(())
+}
+
+fn remove_attachment(iface: &str, state: Option<&AttachState>) -> Result<()> {
+    let dir = pin_dir(iface);
+    // Links first: unpinning and closing the last reference detaches the program.
+    for link in [LINK_EGRESS, LINK_INGRESS] {
+        let path = dir.join(link);
+        if path.exists() {
+            match PinnedLink::from_pin(&path) {
+                Ok(pinned) => {
+                    let fd = pinned.unpin().map_err(io_err("unpinning", &path))?;
+                    drop(fd);
+                }
+                Err(e) => {
+                    tracing::warn!("{}: {e}; removing the pin", path.display());
+                    fs::remove_file(&path).map_err(io_err("removing", &path))?;
+                }
+            }
+        }
+    }
+    if state.is_some_and(|s| s.egress == EgressAttach::Netlink) || state.is_none() {
+        match tc::qdisc_detach_program(iface, TcAttachType::Egress, prog_names::EGRESS) {
+            Ok(()) => {}
+            Err(TcError::IoError(e)) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => tracing::debug!("netlink detach on {iface}: {e}"),
+        }
+    }
+    if dir.exists() {
+        for entry in fs::read_dir(&dir).map_err(io_err("reading", &dir))? {
+            let path = entry.map_err(io_err("reading", &dir))?.path();
+            fs::remove_file(&path).map_err(io_err("removing", &path))?;
+        }
+        fs::remove_dir(&dir).map_err(io_err("removing", &dir))?;
+    }
+    let sp = state_path(iface);
+    if sp.exists() {
+        fs::remove_file(&sp).map_err(io_err("removing", &sp))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,499 @@
+//! The policy language of `set-policy` and `--policy FILE`: parsing and validation, pure.
+//!
+//! A change is parsed and validated as a whole against the policy in force; only a change
+//! that is valid in full is ever written (see [`PolicyChange::apply`]).
+
+use std::{collections::BTreeMap, fmt, net::IpAddr, str::FromStr, time::Duration};
+
+use ipoib_common::{IPOIB_CM_MTU, Policy, global_mode, peer_pin};
+
+/// Bounds of each setting, documented in `set-policy --help`.
+pub const CM_THRESHOLD_MIN: u32 = 64;
+pub const CM_THRESHOLD_MAX: u32 = IPOIB_CM_MTU;
+pub const HEARTBEAT_MIN: Duration = Duration::from_millis(100);
+pub const HEARTBEAT_MAX: Duration = Duration::from_secs(3600);
+pub const MEMORY_BUDGET_MIN: u64 = 16 << 20;
+pub const MEMORY_BUDGET_MAX: u64 = 1 << 40;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("`{0}` is not KEY=VALUE")]
+    NotKeyValue(String),
+    #[error(
+        "unknown key `{0}` (keys: mode, cm-threshold, heartbeat-timeout, kernel-cm, ctl-port, memory-budget, peer)"
+    )]
+    UnknownKey(String),
+    #[error("{key}: `{value}` is not valid: {why}")]
+    Invalid {
+        key: &'static str,
+        value: String,
+        why: String,
+    },
+    #[error("{key} is given twice with different values (`{first}` and `{second}`)")]
+    Conflict {
+        key: String,
+        first: String,
+        second: String,
+    },
+    #[error("peer {peer} is pinned to CM but mode=datagram forbids CM for every peer")]
+    PinCmInDatagram { peer: IpAddr },
+    #[error("no settings given")]
+    Empty,
+}
+
+/// The interface-wide mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Auto,
+    Datagram,
+    Connected,
+}
+
+impl Mode {
+    pub fn raw(self) -> u8 {
+        match self {
+            Mode::Auto => global_mode::AUTO,
+            Mode::Datagram => global_mode::DATAGRAM,
+            Mode::Connected => global_mode::CONNECTED,
+        }
+    }
+
+    pub fn from_raw(v: u8) -> Option<Self> {
+        match v {
+            global_mode::AUTO => Some(Mode::Auto),
+            global_mode::DATAGRAM => Some(Mode::Datagram),
+            global_mode::CONNECTED => Some(Mode::Connected),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Auto => "auto",
+            Mode::Datagram => "datagram",
+            Mode::Connected => "connected",
+        })
+    }
+}
+
+/// An operator's per-peer override.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    Auto,
+    Ud,
+    Cm,
+    Block,
+}
+
+impl Pin {
+    pub fn raw(self) -> u8 {
+        match self {
+            Pin::Auto => peer_pin::AUTO,
+            Pin::Ud => peer_pin::UD,
+            Pin::Cm => peer_pin::CM,
+            Pin::Block => peer_pin::BLOCK,
+        }
+    }
+
+    pub fn from_raw(v: u8) -> Option<Self> {
+        match v {
+            peer_pin::AUTO => Some(Pin::Auto),
+            peer_pin::UD => Some(Pin::Ud),
+            peer_pin::CM => Some(Pin::Cm),
+            peer_pin::BLOCK => Some(Pin::Block),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Pin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Pin::Auto => "auto",
+            Pin::Ud => "ud",
+            Pin::Cm => "cm",
+            Pin::Block => "block",
+        })
+    }
+}
+
+/// Everything one `set-policy` (or policy file) asks for. `None`: leave as it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyChange {
+    pub mode: Option<Mode>,
+    pub cm_threshold: Option<u32>,
+    pub heartbeat_timeout: Option<Duration>,
+    pub kernel_cm: Option<bool>,
+    pub ctl_port: Option<u16>,
+    pub memory_budget: Option<u64>,
+    pub peers: BTreeMap<IpAddr, Pin>,
+}
+
+fn invalid(key: &'static str, value: &str, why: impl Into<String>) -> PolicyError {
+    PolicyError::Invalid {
+        key,
+        value: value.to_string(),
+        why: why.into(),
+    }
+}
+
+/// `3s`, `500ms`, `2m`, `1h`; a bare number is seconds.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let n: f64 = num.parse().ok()?;
+    if !n.is_finite() || n < 0.0 {
+        return None;
+    }
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return None,
+    };
+    Duration::try_from_secs_f64(secs).ok()
+}
+
+/// `512MiB`, `4GiB`, `2G` (powers of 1024 either way), or bytes.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let i = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let n: u64 = s[..i].parse().ok()?;
+    let mult: u64 = match s[i..].to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        "t" | "tib" | "tb" => 1 << 40,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+/// Formats bytes the way [`parse_size`] reads them back.
+pub fn format_size(b: u64) -> String {
+    for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if b >= 1 << shift && b % (1 << shift) == 0 {
+            return format!("{}{unit}", b >> shift);
+        }
+    }
+    format!("{b}")
+}
+
+/// `10.0.0.7:ud`, `[fd00::2]:cm`, `fd00::2:block` (the last `:` separates the pin).
+fn parse_peer(value: &str) -> Result<(IpAddr, Pin), PolicyError> {
+    let (addr, pin) = value
+        .rsplit_once(':')
+        .ok_or_else(|| invalid("peer", value, "expected ADDRESS:ud|cm|auto|block"))?;
+    let addr = addr.trim_start_matches('[').trim_end_matches(']');
+    let ip = IpAddr::from_str(addr).map_err(|_| invalid("peer", value, "not an IP address"))?;
+    if ip.is_multicast() || ip.is_unspecified() || ip.is_loopback() {
+        return Err(invalid("peer", value, "not a unicast peer address"));
+    }
+    let pin = match pin {
+        "ud" => Pin::Ud,
+        "cm" => Pin::Cm,
+        "auto" => Pin::Auto,
+        "block" => Pin::Block,
+        _ => return Err(invalid("peer", value, "pin must be ud, cm, auto or block")),
+    };
+    Ok((ip, pin))
+}
+
+fn set_once<T: PartialEq + fmt::Debug>(
+    slot: &mut Option<T>,
+    key: &str,
+    value: T,
+    raw: &str,
+    seen: &mut BTreeMap<String, String>,
+) -> Result<(), PolicyError> {
+    if let Some(old) = slot.as_ref() {
+        if *old != value {
+            return Err(PolicyError::Conflict {
+                key: key.to_string(),
+                first: seen.get(key).cloned().unwrap_or_default(),
+                second: raw.to_string(),
+            });
+        }
+        return Ok(());
+    }
+    seen.insert(key.to_string(), raw.to_string());
+    *slot = Some(value);
+    Ok(())
+}
+
+impl PolicyChange {
+    /// Parses `KEY=VALUE` words; nothing is applied here.
+    pub fn parse<S: AsRef<str>>(words: &[S]) -> Result<Self, PolicyError> {
+        let mut c = PolicyChange::default();
+        let mut seen = BTreeMap::new();
+        for w in words {
+            let w = w.as_ref().trim();
+            let (key, value) = w
+                .split_once('=')
+                .ok_or_else(|| PolicyError::NotKeyValue(w.to_string()))?;
+            let (key, value) = (key.trim(), value.trim());
+            match key {
+                "mode" => {
+                    let m = match value {
+                        "auto" => Mode::Auto,
+                        "datagram" => Mode::Datagram,
+                        "connected" => Mode::Connected,
+                        _ => return Err(invalid("mode", value, "auto, datagram or connected")),
+                    };
+                    set_once(&mut c.mode, key, m, value, &mut seen)?;
+                }
+                "cm-threshold" => {
+                    let n = parse_size(value)
+                        .filter(|n| (CM_THRESHOLD_MIN as u64..=CM_THRESHOLD_MAX as u64).contains(n))
+                        .ok_or_else(|| {
+                            invalid(
+                                "cm-threshold",
+                                value,
+                                format!("bytes from {CM_THRESHOLD_MIN} to {CM_THRESHOLD_MAX}"),
+                            )
+                        })?;
+                    set_once(&mut c.cm_threshold, key, n as u32, value, &mut seen)?;
+                }
+                "heartbeat-timeout" => {
+                    let d = parse_duration(value)
+                        .filter(|d| (HEARTBEAT_MIN..=HEARTBEAT_MAX).contains(d))
+                        .ok_or_else(|| {
+                            invalid("heartbeat-timeout", value, "a duration from 100ms to 1h")
+                        })?;
+                    set_once(&mut c.heartbeat_timeout, key, d, value, &mut seen)?;
+                }
+                "kernel-cm" => {
+                    let b = match value {
+                        "on" | "yes" | "true" | "1" => true,
+                        "off" | "no" | "false" | "0" => false,
+                        _ => return Err(invalid("kernel-cm", value, "on or off")),
+                    };
+                    set_once(&mut c.kernel_cm, key, b, value, &mut seen)?;
+                }
+                "ctl-port" => {
+                    let p = value
+                        .parse::<u16>()
+                        .ok()
+                        .filter(|p| *p != 0)
+                        .ok_or_else(|| invalid("ctl-port", value, "a TCP port from 1 to 65535"))?;
+                    set_once(&mut c.ctl_port, key, p, value, &mut seen)?;
+                }
+                "memory-budget" => {
+                    let b = parse_size(value)
+                        .filter(|b| (MEMORY_BUDGET_MIN..=MEMORY_BUDGET_MAX).contains(b))
+                        .ok_or_else(|| {
+                            invalid("memory-budget", value, "a size from 16MiB to 1TiB")
+                        })?;
+                    set_once(&mut c.memory_budget, key, b, value, &mut seen)?;
+                }
+                "peer" => {
+                    let (ip, pin) = parse_peer(value)?;
+                    if let Some(old) = c.peers.get(&ip)
+                        && *old != pin
+                    {
+                        return Err(PolicyError::Conflict {
+                            key: format!("peer {ip}"),
+                            first: old.to_string(),
+                            second: pin.to_string(),
+                        });
+                    }
+                    c.peers.insert(ip, pin);
+                }
+                _ => return Err(PolicyError::UnknownKey(key.to_string())),
+            }
+        }
+        if c == PolicyChange::default() {
+            return Err(PolicyError::Empty);
+        }
+        Ok(c)
+    }
+
+    /// Parses a policy file: `KEY=VALUE` per line, `#` comments, blank lines ignored.
+    pub fn parse_file(text: &str) -> Result<Self, PolicyError> {
+        let words: Vec<&str> = text
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+            .collect();
+        Self::parse(&words)
+    }
+
+    /// The policy this change makes of `current`, checked against the pins that will be in
+    /// force (`pins_after`: every peer's pin once this change is applied).
+    pub fn apply(
+        &self,
+        current: &Policy,
+        pins_after: impl IntoIterator<Item = (IpAddr, Pin)>,
+    ) -> Result<Policy, PolicyError> {
+        let mut p = *current;
+        if let Some(m) = self.mode {
+            p.mode = m.raw();
+        }
+        if let Some(t) = self.cm_threshold {
+            p.cm_min_bytes = t;
+        }
+        if let Some(d) = self.heartbeat_timeout {
+            p.heartbeat_timeout_ns = d.as_nanos() as u64;
+        }
+        if let Some(k) = self.kernel_cm {
+            p.kernel_cm = k as u8;
+        }
+        if let Some(port) = self.ctl_port {
+            p.ctl_port = port;
+        }
+        let mut any_blocked = false;
+        for (ip, pin) in pins_after {
+            if pin == Pin::Cm && p.mode == global_mode::DATAGRAM {
+                return Err(PolicyError::PinCmInDatagram { peer: ip });
+            }
+            any_blocked |= pin == Pin::Block;
+        }
+        p.any_blocked = any_blocked as u8;
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ipoib_common::ARPHRD_INFINIBAND;
+
+    use super::*;
+
+    fn parse(words: &[&str]) -> Result<PolicyChange, PolicyError> {
+        PolicyChange::parse(words)
+    }
+
+    #[test]
+    fn parses_every_key() {
+        let c = parse(&[
+            "mode=connected",
+            "cm-threshold=2048",
+            "heartbeat-timeout=500ms",
+            "kernel-cm=on",
+            "ctl-port=5000",
+            "memory-budget=512MiB",
+            "peer=10.0.0.7:ud",
+            "peer=[fd00::2]:cm",
+            "peer=fd00::3:block",
+        ])
+        .unwrap();
+        assert_eq!(c.mode, Some(Mode::Connected));
+        assert_eq!(c.cm_threshold, Some(2048));
+        assert_eq!(c.heartbeat_timeout, Some(Duration::from_millis(500)));
+        assert_eq!(c.kernel_cm, Some(true));
+        assert_eq!(c.ctl_port, Some(5000));
+        assert_eq!(c.memory_budget, Some(512 << 20));
+        assert_eq!(c.peers[&"10.0.0.7".parse::<IpAddr>().unwrap()], Pin::Ud);
+        assert_eq!(c.peers[&"fd00::2".parse::<IpAddr>().unwrap()], Pin::Cm);
+        assert_eq!(c.peers[&"fd00::3".parse::<IpAddr>().unwrap()], Pin::Block);
+    }
+
+    #[test]
+    fn rejects_out_of_range_and_malformed_values() {
+        for bad in [
+            "mode=fast",
+            "mode=",
+            "cm-threshold=63",
+            "cm-threshold=65521",
+            "cm-threshold=-1",
+            "cm-threshold=1x",
+            "heartbeat-timeout=50ms",
+            "heartbeat-timeout=2h",
+            "heartbeat-timeout=soon",
+            "heartbeat-timeout=-1s",
+            "kernel-cm=maybe",
+            "ctl-port=0",
+            "ctl-port=65536",
+            "ctl-port=http",
+            "memory-budget=1MiB",
+            "memory-budget=2TiB",
+            "memory-budget=lots",
+            "peer=10.0.0.7",
+            "peer=10.0.0.7:fast",
+            "peer=10.0.0.300:ud",
+            "peer=224.0.0.1:ud",
+            "peer=127.0.0.1:ud",
+            "peer=:ud",
+        ] {
+            assert!(
+                matches!(parse(&[bad]), Err(PolicyError::Invalid { .. })),
+                "{bad} was accepted: {:?}",
+                parse(&[bad])
+            );
+        }
+        assert!(matches!(
+            parse(&["bogus=1"]),
+            Err(PolicyError::UnknownKey(_))
+        ));
+        assert!(matches!(parse(&["mode"]), Err(PolicyError::NotKeyValue(_))));
+        assert!(matches!(
+            PolicyChange::parse::<&str>(&[]),
+            Err(PolicyError::Empty)
+        ));
+    }
+
+    #[test]
+    fn rejects_conflicts() {
+        assert!(matches!(
+            parse(&["mode=auto", "mode=datagram"]),
+            Err(PolicyError::Conflict { .. })
+        ));
+        assert!(matches!(
+            parse(&["peer=10.0.0.7:ud", "peer=10.0.0.7:cm"]),
+            Err(PolicyError::Conflict { .. })
+        ));
+        // The same value twice is not a conflict.
+        assert!(parse(&["mode=auto", "mode=auto"]).is_ok());
+        let c = parse(&["mode=datagram", "peer=10.0.0.7:cm"]).unwrap();
+        let base = Policy::new(ARPHRD_INFINIBAND);
+        assert!(matches!(
+            c.apply(&base, c.peers.clone()),
+            Err(PolicyError::PinCmInDatagram { .. })
+        ));
+    }
+
+    #[test]
+    fn apply_changes_only_what_was_asked() {
+        let base = Policy::new(ARPHRD_INFINIBAND);
+        let c = parse(&["cm-threshold=4096"]).unwrap();
+        let p = c.apply(&base, []).unwrap();
+        assert_eq!(p.cm_min_bytes, 4096);
+        assert_eq!(
+            Policy {
+                cm_min_bytes: base.cm_min_bytes,
+                ..p
+            },
+            base
+        );
+        let c = parse(&["peer=10.0.0.6:block"]).unwrap();
+        assert_eq!(c.apply(&base, c.peers.clone()).unwrap().any_blocked, 1);
+        let c = parse(&["peer=10.0.0.6:auto"]).unwrap();
+        assert_eq!(c.apply(&base, c.peers.clone()).unwrap().any_blocked, 0);
+    }
+
+    #[test]
+    fn policy_file_format() {
+        let c =
+            PolicyChange::parse_file("# lab policy\nmode=auto   # default\n\ncm-threshold=1500\n")
+                .unwrap();
+        assert_eq!(c.mode, Some(Mode::Auto));
+        assert_eq!(c.cm_threshold, Some(1500));
+    }
+
+    #[test]
+    fn sizes_and_durations_round_trip() {
+        for b in [16u64 << 20, 512 << 20, 3 << 30, 1 << 40, 1000] {
+            assert_eq!(parse_size(&format_size(b)), Some(b));
+        }
+        assert_eq!(parse_duration("3"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+    }
+}

@@ -1,0 +1,312 @@
+//! What `status`, `peers` and `show-policy` report, gathered from the pinned maps, and its
+//! rendering as a human table or JSON.
+
+use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
+
+use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerTraffic, Policy, peer_mode};
+use serde::Serialize;
+
+use crate::{
+    attach::{self, AttachError, AttachState},
+    clock::monotonic_ns,
+    maps::DatapathMaps,
+    policy::{Mode, Pin, format_size},
+};
+
+#[derive(Debug, Serialize)]
+pub struct PolicyView {
+    pub link: &'static str,
+    pub mode: String,
+    pub cm_threshold: u32,
+    pub heartbeat_timeout_ms: u64,
+    pub kernel_cm: bool,
+    pub ctl_port: u16,
+    pub any_blocked: bool,
+    /// Bytes; `None`: worked out by the control plane.
+    pub memory_budget: Option<u64>,
+}
+
+impl PolicyView {
+    pub fn new(p: &Policy, state: Option<&AttachState>) -> Self {
+        Self {
+            link: match p.link_type {
+                ARPHRD_INFINIBAND => "ipoib",
+                ARPHRD_ETHER => "ethernet",
+                _ => "unconfigured",
+            },
+            mode: Mode::from_raw(p.mode)
+                .map_or_else(|| format!("unknown({})", p.mode), |m| m.to_string()),
+            cm_threshold: p.cm_min_bytes,
+            heartbeat_timeout_ms: p.heartbeat_timeout_ns / 1_000_000,
+            kernel_cm: p.kernel_cm != 0,
+            ctl_port: p.ctl_port,
+            any_blocked: p.any_blocked != 0,
+            memory_budget: state.and_then(|s| s.memory_budget),
+        }
+    }
+
+    pub fn render(&self) -> String {
+        format!(
+            "mode={} cm-threshold={} heartbeat-timeout={}ms kernel-cm={} ctl-port={} memory-budget={} (link {})",
+            self.mode,
+            self.cm_threshold,
+            self.heartbeat_timeout_ms,
+            if self.kernel_cm { "on" } else { "off" },
+            self.ctl_port,
+            self.memory_budget
+                .map_or_else(|| "auto".to_string(), format_size),
+            self.link,
+        )
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct PeerView {
+    pub addr: String,
+    /// "ud", "cm_pending", "cm_up", or "-" for a peer only seen in traffic.
+    pub mode: String,
+    pub pin: String,
+    pub cm_ifindex: u32,
+    pub generation: u32,
+    #[serde(flatten)]
+    pub traffic: TrafficView,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct TrafficView {
+    pub tx_ud_packets: u64,
+    pub tx_ud_bytes: u64,
+    pub tx_cm_packets: u64,
+    pub tx_cm_bytes: u64,
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub rx_dropped: u64,
+    /// Milliseconds since the fast path last saw the peer; `None`: never.
+    pub last_seen_ms_ago: Option<u64>,
+}
+
+impl TrafficView {
+    fn new(t: &PeerTraffic, now: u64) -> Self {
+        Self {
+            tx_ud_packets: t.tx_ud_packets,
+            tx_ud_bytes: t.tx_ud_bytes,
+            tx_cm_packets: t.tx_cm_packets,
+            tx_cm_bytes: t.tx_cm_bytes,
+            rx_packets: t.rx_packets,
+            rx_bytes: t.rx_bytes,
+            rx_dropped: t.rx_dropped,
+            last_seen_ms_ago: (t.last_seen_ns != 0)
+                .then(|| now.saturating_sub(t.last_seen_ns) / 1_000_000),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct CounterView {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub iface: String,
+    pub ifindex: Option<u32>,
+    pub egress_attach: Option<String>,
+    pub xdp_mode: Option<String>,
+    pub policy: PolicyView,
+    /// Milliseconds since the control plane last wrote the heartbeat; `None`: never.
+    pub heartbeat_age_ms: Option<u64>,
+    pub heartbeat_writer_pid: u32,
+    /// True when the fail-safe is sending every packet UD.
+    pub failsafe_active: bool,
+    pub loop_pid: Option<u32>,
+    pub loop_running: bool,
+    pub reasons: BTreeMap<&'static str, CounterView>,
+    pub peers: Vec<PeerView>,
+}
+
+fn mode_name(m: u8) -> String {
+    match m {
+        peer_mode::UD => "ud".into(),
+        peer_mode::CM_PENDING => "cm_pending".into(),
+        peer_mode::CM_UP => "cm_up".into(),
+        other => format!("unknown({other})"),
+    }
+}
+
+fn pid_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    unsafe { libc::kill(pid as i32, 0) == 0 }
+}
+
+/// Every peer the control plane has state for or the fast path has seen, by address.
+pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
+    let now = monotonic_ns();
+    let mut by_ip: BTreeMap<IpAddr, (Option<PeerEntry>, Option<PeerTraffic>)> = BTreeMap::new();
+    for (k, e) in maps.peers()? {
+        if let Some(ip) = k.ip() {
+            by_ip.entry(ip).or_default().0 = Some(e);
+        }
+    }
+    for (k, t) in maps.traffic()? {
+        if let Some(ip) = k.ip() {
+            by_ip.entry(ip).or_default().1 = Some(t);
+        }
+    }
+    Ok(by_ip
+        .into_iter()
+        .map(|(ip, (e, t))| PeerView {
+            addr: ip.to_string(),
+            mode: e.map_or_else(|| "-".into(), |e| mode_name(e.mode)),
+            pin: e
+                .and_then(|e| Pin::from_raw(e.pin))
+                .map_or_else(|| "auto".into(), |p| p.to_string()),
+            cm_ifindex: e.map_or(0, |e| e.cm_ifindex),
+            generation: e.map_or(0, |e| e.generation),
+            traffic: t.map(|t| TrafficView::new(&t, now)).unwrap_or_default(),
+        })
+        .collect())
+}
+
+pub fn gather(iface: &str) -> Result<Status, AttachError> {
+    let maps = attach::open(iface)?;
+    let state = attach::read_state(iface);
+    let policy = maps.policy()?;
+    let hb = maps.heartbeat()?;
+    let now = monotonic_ns();
+    let age_ns = (hb.monotonic_ns != 0).then(|| now.saturating_sub(hb.monotonic_ns));
+    let reasons = maps
+        .reasons()?
+        .into_iter()
+        .map(|(r, c)| {
+            (
+                r.name(),
+                CounterView {
+                    packets: c.packets,
+                    bytes: c.bytes,
+                },
+            )
+        })
+        .collect();
+    let loop_pid = state.as_ref().and_then(|s| s.loop_pid);
+    Ok(Status {
+        iface: iface.to_string(),
+        ifindex: state.as_ref().map(|s| s.ifindex),
+        egress_attach: state
+            .as_ref()
+            .map(|s| format!("{:?}", s.egress).to_lowercase()),
+        xdp_mode: state.as_ref().map(|s| s.xdp_mode.clone()),
+        policy: PolicyView::new(&policy, state.as_ref()),
+        heartbeat_age_ms: age_ns.map(|a| a / 1_000_000),
+        heartbeat_writer_pid: hb.writer_pid,
+        failsafe_active: age_ns.is_none_or(|a| a > policy.heartbeat_timeout_ns),
+        loop_pid,
+        loop_running: loop_pid.is_some_and(pid_alive),
+        reasons,
+        peers: peers(&maps)?,
+    })
+}
+
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+pub fn render_peers(peers: &[PeerView]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "  {:<26} {:<10} {:<5} {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>7} {:>10}",
+        "peer",
+        "mode",
+        "pin",
+        "tx-ud-pkt",
+        "tx-ud-bytes",
+        "tx-cm-pkt",
+        "tx-cm-bytes",
+        "rx-pkt",
+        "rx-bytes",
+        "rx-drop",
+        "last-seen"
+    );
+    for p in peers {
+        let t = &p.traffic;
+        let _ = writeln!(
+            out,
+            "  {:<26} {:<10} {:<5} {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>7} {:>10}",
+            p.addr,
+            p.mode,
+            p.pin,
+            t.tx_ud_packets,
+            human_bytes(t.tx_ud_bytes),
+            t.tx_cm_packets,
+            human_bytes(t.tx_cm_bytes),
+            t.rx_packets,
+            human_bytes(t.rx_bytes),
+            t.rx_dropped,
+            t.last_seen_ms_ago.map_or_else(
+                || "never".into(),
+                |ms| format!("{:.1}s ago", ms as f64 / 1000.0)
+            ),
+        );
+    }
+    if peers.is_empty() {
+        out.push_str("  (no peers yet)\n");
+    }
+    out
+}
+
+pub fn render(s: &Status) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{}: ifindex {} egress {} xdp {}",
+        s.iface,
+        s.ifindex.map_or_else(|| "?".into(), |i| i.to_string()),
+        s.egress_attach.as_deref().unwrap_or("?"),
+        s.xdp_mode.as_deref().unwrap_or("?"),
+    );
+    let _ = writeln!(out, "  policy: {}", s.policy.render());
+    let _ = writeln!(
+        out,
+        "  control loop: {}; heartbeat {}{}",
+        match (s.loop_pid, s.loop_running) {
+            (Some(pid), true) => format!("running (pid {pid})"),
+            (Some(pid), false) => format!("gone (pid {pid} exited)"),
+            (None, _) => "not running".into(),
+        },
+        s.heartbeat_age_ms
+            .map_or_else(|| "never written".into(), |ms| format!("{ms} ms old")),
+        if s.failsafe_active {
+            " -> FAIL-SAFE: every packet goes UD"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(out, "  decisions:");
+    for (name, c) in &s.reasons {
+        if c.packets > 0 {
+            let _ = writeln!(
+                out,
+                "    {name:<26} {:>12} pkts {:>12}",
+                c.packets,
+                human_bytes(c.bytes)
+            );
+        }
+    }
+    if s.reasons.values().all(|c| c.packets == 0) {
+        out.push_str("    (no packets yet)\n");
+    }
+    out.push_str(&render_peers(&s.peers));
+    out
+}
