@@ -1,6 +1,8 @@
 //! Test support: exact IPoIB and Ethernet frames, and a harness that runs the real eBPF
 //! programs in the running kernel with BPF_PROG_TEST_RUN.
 
+pub mod lab;
+
 use std::net::IpAddr;
 
 use aya::programs::{ProgramError, TestRun, TestRunOptions};

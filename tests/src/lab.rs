@@ -1,0 +1,311 @@
+//! The two-node lab: two network namespaces joined by a veth pair, each end with the
+//! datapath attached by a real `ipoib-ctl` process.
+//!
+//! With `cm_path`, a second veth pair joins the namespaces as a stand-in for the CM device:
+//! a peer entry marked CM_UP with its ifindex makes `ipoib_egress` redirect big packets into
+//! it, and the other node's stack takes them (same MAC as its lab interface, rp_filter off).
+//! That proves the redirect on real traffic, GSO super-packets included, without RDMA.
+//!
+//! Namespaces are entered with `nsenter --net` only, so every process shares one bpffs (the
+//! pins); `ip netns exec` would mount a fresh /sys per command.
+
+use std::{
+    net::Ipv4Addr,
+    path::PathBuf,
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// One node of the lab.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub ns: String,
+    /// The lab interface (what `ipoib-ctl attach` is given).
+    pub iface: String,
+    /// The CM stand-in interface, when the lab has one.
+    pub cm_iface: Option<String>,
+    pub ip4: Ipv4Addr,
+    pub ip6: String,
+}
+
+pub struct Lab {
+    pub a: Node,
+    pub b: Node,
+    children: Vec<Child>,
+}
+
+/// The `ipoib-ctl` binary built beside the running test or binary.
+pub fn ctl_path() -> PathBuf {
+    if let Ok(p) = std::env::var("IPOIB_CTL") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.join("ipoib-ctl")
+}
+
+fn run(cmd: &mut Command) -> Result<Output> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("could not run {cmd:?}"))?;
+    Ok(out)
+}
+
+fn must(cmd: &mut Command) -> Result<String> {
+    let out = run(cmd)?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn ip(args: &[&str]) -> Result<String> {
+    must(Command::new("ip").args(args))
+}
+
+impl Node {
+    /// A command run inside this node's network namespace (and only that namespace).
+    pub fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.ns))
+            .arg("--")
+            .arg(program);
+        c
+    }
+
+    /// `ipoib-ctl ARGS` in this node's namespace.
+    pub fn ctl(&self, args: &[&str]) -> Result<Output> {
+        run(self
+            .cmd(ctl_path().to_str().expect("utf-8 path"))
+            .args(args))
+    }
+
+    /// `ipoib-ctl status IFACE --json`, parsed.
+    pub fn status(&self) -> Result<serde_json::Value> {
+        let out = self.ctl(&["status", &self.iface, "--json"])?;
+        if !out.status.success() {
+            bail!("status failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        Ok(v[0].clone())
+    }
+
+    /// The JSON status of one peer, if the node knows it.
+    pub fn peer(&self, addr: &str) -> Result<Option<serde_json::Value>> {
+        let s = self.status()?;
+        Ok(s["peers"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["addr"] == addr).cloned()))
+    }
+
+    /// ifindex of `iface` in this namespace.
+    pub fn ifindex(&self, iface: &str) -> Result<u32> {
+        let out = must(self.cmd("ip").args(["-o", "link", "show", "dev", iface]))?;
+        out.split(':')
+            .next()
+            .and_then(|n| n.trim().parse().ok())
+            .context("parsing ip link output")
+    }
+}
+
+impl Lab {
+    /// Builds the lab. `tag` (at most 6 characters) keeps names unique between labs.
+    pub fn new(tag: &str, cm_path: bool) -> Result<Self> {
+        assert!(tag.len() <= 6, "lab tag too long for interface names");
+        let node = |side: &str, n: u8| Node {
+            ns: format!("ipoib-lab-{tag}-{side}"),
+            iface: format!("{tag}{side}0"),
+            cm_iface: cm_path.then(|| format!("{tag}{side}cm")),
+            ip4: Ipv4Addr::new(10, 77, 0, n),
+            ip6: format!("fd77::{n}"),
+        };
+        let lab = Lab {
+            a: node("a", 1),
+            b: node("b", 2),
+            children: Vec::new(),
+        };
+        lab.teardown_net();
+        for n in [&lab.a, &lab.b] {
+            ip(&["netns", "add", &n.ns])?;
+            must(n.cmd("ip").args(["link", "set", "lo", "up"]))?;
+            for (k, v) in [
+                ("net.ipv4.conf.all.rp_filter", "0"),
+                ("net.ipv4.conf.default.rp_filter", "0"),
+            ] {
+                let _ = run(n.cmd("sysctl").args(["-qw", &format!("{k}={v}")]));
+            }
+        }
+        ip(&[
+            "link",
+            "add",
+            &lab.a.iface,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &lab.b.iface,
+        ])?;
+        for n in [&lab.a, &lab.b] {
+            ip(&["link", "set", &n.iface, "netns", &n.ns])?;
+            must(
+                n.cmd("ip")
+                    .args(["addr", "add", &format!("{}/24", n.ip4), "dev", &n.iface]),
+            )?;
+            must(n.cmd("ip").args([
+                "addr",
+                "add",
+                &format!("{}/64", n.ip6),
+                "dev",
+                &n.iface,
+                "nodad",
+            ]))?;
+            must(n.cmd("ip").args(["link", "set", &n.iface, "up"]))?;
+        }
+        if let (Some(ac), Some(bc)) = (&lab.a.cm_iface, &lab.b.cm_iface) {
+            ip(&["link", "add", ac, "type", "veth", "peer", "name", bc])?;
+            for n in [&lab.a, &lab.b] {
+                let cm = n.cm_iface.as_deref().expect("cm iface");
+                ip(&["link", "set", cm, "netns", &n.ns])?;
+                // Frames redirected into the stand-in carry the lab interface's destination
+                // MAC: give the receiving end that MAC so its stack takes them.
+                // (ip link, not /sys: under nsenter --net, sysfs shows another namespace.)
+                let mac = lab_mac(n)?;
+                must(n.cmd("ip").args(["link", "set", cm, "address", &mac]))?;
+                must(n.cmd("ip").args(["link", "set", cm, "up"]))?;
+                let _ = run(n
+                    .cmd("sysctl")
+                    .args(["-qw", &format!("net.ipv4.conf.{cm}.rp_filter=0")]));
+            }
+        }
+        Ok(lab)
+    }
+
+    /// Starts `ipoib-ctl attach` on a node, waiting until its heartbeat is fresh.
+    pub fn attach(&mut self, which: Which, extra: &[&str]) -> Result<u32> {
+        let n = self.node(which).clone();
+        let log = std::env::temp_dir().join(format!("{}.ctl.log", n.ns));
+        let log_file = std::fs::File::create(&log)?;
+        let child = n
+            .cmd(ctl_path().to_str().expect("utf-8 path"))
+            .arg("attach")
+            .arg(&n.iface)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .context("spawning ipoib-ctl attach")?;
+        let pid = child.id();
+        self.children.push(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(s) = n.status()
+                && s["loop_running"] == true
+                && s["failsafe_active"] == false
+                && s["loop_pid"] == pid
+            {
+                return Ok(pid);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "ipoib-ctl attach {} did not come up: {}",
+                    n.iface,
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn node(&self, which: Which) -> &Node {
+        match which {
+            Which::A => &self.a,
+            Which::B => &self.b,
+        }
+    }
+
+    /// Kills a control loop the hard way (as a crash would).
+    pub fn kill9(&mut self, pid: u32) {
+        // SAFETY: plain kill(2).
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        for c in &mut self.children {
+            if c.id() == pid {
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// Stops every control loop and removes namespaces, links and pins. Idempotent.
+    pub fn teardown(&mut self) {
+        for n in [self.a.clone(), self.b.clone()] {
+            let _ = n.ctl(&["detach", &n.iface]);
+        }
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.children.clear();
+        self.teardown_net();
+    }
+
+    fn teardown_net(&self) {
+        for n in [&self.a, &self.b] {
+            let _ = run(Command::new("ip").args(["netns", "del", &n.ns]));
+            // Pins of an interface that died with its namespace.
+            let _ = std::fs::remove_dir_all(format!("/sys/fs/bpf/ipoib/{}", n.iface));
+            let _ = std::fs::remove_file(format!("/run/ipoib-ctl/{}.json", n.iface));
+        }
+    }
+}
+
+fn lab_mac(n: &Node) -> Result<String> {
+    let out = must(n.cmd("ip").args(["-o", "link", "show", "dev", &n.iface]))?;
+    out.split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .map(str::to_string)
+        .context("no MAC in ip link output")
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Which {
+    A,
+    B,
+}
+
+/// Whether the lab can run here: root, `ip`, `nsenter`. Returns a reason when it cannot.
+pub fn lab_unavailable() -> Option<String> {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("the lab needs root (network namespaces, BPF)".into());
+    }
+    for tool in ["ip", "nsenter", "ping"] {
+        if Command::new(tool).arg("-V").output().is_err() {
+            return Some(format!("`{tool}` is not installed (cargo xtask provision)"));
+        }
+    }
+    None
+}
+
+/// Parses ping's summary: (transmitted, received).
+pub fn ping_summary(out: &str) -> Option<(u32, u32)> {
+    let line = out.lines().find(|l| l.contains("packets transmitted"))?;
+    let mut nums = line
+        .split(',')
+        .filter_map(|part| part.split_whitespace().next()?.parse::<u32>().ok());
+    Some((nums.next()?, nums.next()?))
+}

@@ -1,0 +1,449 @@
+//! The datapath on real traffic: two network namespaces, real `ipoib-ctl` processes, ping and
+//! iperf3. Needs root (CI is root).
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use ipoib_common::{PeerEntry, PeerKey, peer_mode};
+use ipoib_ctl::maps::DatapathMaps;
+use ipoib_tests::lab::*;
+
+fn lab_or_skip(test: &str, tag: &str, cm_path: bool) -> Option<Lab> {
+    if let Some(why) = lab_unavailable() {
+        if std::env::var("IPOIB_REQUIRE_BPF").is_ok_and(|v| v == "1") {
+            panic!("{test}: {why}");
+        }
+        eprintln!("\n!!! SKIPPED {test}: {why}\n");
+        return None;
+    }
+    Some(Lab::new(tag, cm_path).unwrap_or_else(|e| panic!("{test}: building the lab: {e:#}")))
+}
+
+fn ping(from: &Node, to: &str, count: u32, size: u32, interval: &str) -> (u32, u32) {
+    let out = from
+        .cmd("ping")
+        .args([
+            "-n",
+            "-q",
+            "-c",
+            &count.to_string(),
+            "-s",
+            &size.to_string(),
+        ])
+        .args(["-i", interval, "-W", "2", to])
+        .output()
+        .expect("ping");
+    let text = String::from_utf8_lossy(&out.stdout);
+    ping_summary(&text).unwrap_or_else(|| panic!("no ping summary in: {text}"))
+}
+
+fn u(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or(0)
+}
+
+fn reason(status: &serde_json::Value, name: &str) -> u64 {
+    status["reasons"][name]["packets"].as_u64().unwrap_or(0)
+}
+
+fn peer_or_zero(n: &Node, addr: &str) -> serde_json::Value {
+    n.peer(addr).unwrap().unwrap_or(serde_json::json!({}))
+}
+
+#[test]
+fn lab_counts_traffic_and_takes_policy_live() {
+    let Some(mut lab) = lab_or_skip("lab_counts_traffic_and_takes_policy_live", "e2e", false)
+    else {
+        return;
+    };
+    lab.attach(Which::A, &[]).unwrap();
+    lab.attach(Which::B, &[]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let (a_ip, b_ip) = (a.ip4.to_string(), b.ip4.to_string());
+
+    // Warm up ARP so the counted pings are the only IPv4 unicast between the two.
+    ping(&a, &b_ip, 1, 56, "0.2");
+    let a0 = peer_or_zero(&a, &b_ip);
+    let b0 = peer_or_zero(&b, &a_ip);
+    assert_eq!(ping(&a, &b_ip, 20, 56, "0.05"), (20, 20));
+    let a1 = a.peer(&b_ip).unwrap().expect("A sees B");
+    let b1 = b.peer(&a_ip).unwrap().expect("B sees A");
+    // 20 echo requests out of A and into B; 20 replies out of B and into A.
+    assert_eq!(u(&a1, "tx_ud_packets") - u(&a0, "tx_ud_packets"), 20);
+    assert_eq!(u(&a1, "rx_packets") - u(&a0, "rx_packets"), 20);
+    assert_eq!(u(&b1, "rx_packets") - u(&b0, "rx_packets"), 20);
+    assert_eq!(u(&b1, "tx_ud_packets") - u(&b0, "tx_ud_packets"), 20);
+    // 84-byte ICMP packets (20 IP + 8 ICMP + 56).
+    assert_eq!(u(&a1, "tx_ud_bytes") - u(&a0, "tx_ud_bytes"), 20 * 84);
+    assert_eq!(u(&a1, "tx_cm_packets"), 0);
+
+    // set-policy takes effect on the live datapath.
+    let s0 = a.status().unwrap();
+    let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
+    let s1 = a.status().unwrap();
+    assert_eq!(
+        reason(&s1, "tx_ud_datagram_mode") - reason(&s0, "tx_ud_datagram_mode"),
+        5
+    );
+    assert_eq!(s1["policy"]["mode"], "datagram");
+    let out = a.ctl(&["set-policy", &a.iface, "mode=auto"]).unwrap();
+    assert!(out.status.success());
+    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
+    let s2 = a.status().unwrap();
+    assert_eq!(
+        reason(&s2, "tx_ud_datagram_mode"),
+        reason(&s1, "tx_ud_datagram_mode")
+    );
+    assert_eq!(reason(&s2, "tx_ud_small") - reason(&s1, "tx_ud_small"), 5);
+
+    // detach: programs and pins gone, traffic still flows.
+    let out = a.ctl(&["detach", &a.iface]).unwrap();
+    assert!(out.status.success());
+    assert_eq!(a.ctl(&["status", &a.iface]).unwrap().status.code(), Some(4));
+    assert!(!std::path::Path::new(&format!("/sys/fs/bpf/ipoib/{}", a.iface)).exists());
+    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
+    let out = a.ctl(&["detach", &a.iface]).unwrap();
+    assert_eq!(out.status.code(), Some(4), "double detach");
+}
+
+#[test]
+fn bpftool_shows_programs_and_field_names() {
+    let Some(mut lab) = lab_or_skip("bpftool_shows_programs_and_field_names", "btf", false) else {
+        return;
+    };
+    lab.attach(Which::A, &[]).unwrap();
+    let a = lab.a.clone();
+    let b_ip = lab.b.ip4.to_string();
+    let out = a
+        .ctl(&["set-policy", &a.iface, &format!("peer={b_ip}:ud")])
+        .unwrap();
+    assert!(out.status.success());
+    ping(&a, &b_ip, 2, 56, "0.1");
+    let dir = format!("/sys/fs/bpf/ipoib/{}", a.iface);
+    let dump = |map: &str| {
+        let out = Command::new("bpftool")
+            .args(["map", "dump", "pinned", &format!("{dir}/{map}")])
+            .output()
+            .expect("bpftool");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let peers = dump("ipoib_peers");
+    for field in [
+        "\"addr\"",
+        "\"family\"",
+        "\"mode\"",
+        "\"pin\": 1",
+        "\"cm_ifindex\"",
+        "\"generation\"",
+    ] {
+        assert!(peers.contains(field), "peers dump lacks {field}:\n{peers}");
+    }
+    let traffic = dump("ipoib_traffic");
+    for field in ["\"tx_ud_packets\"", "\"rx_bytes\"", "\"last_seen_ns\""] {
+        assert!(
+            traffic.contains(field),
+            "traffic dump lacks {field}:\n{traffic}"
+        );
+    }
+    let policy = dump("ipoib_policy");
+    for field in [
+        "\"link_type\": 1",
+        "\"cm_min_bytes\": 1024",
+        "\"heartbeat_timeout_ns\"",
+    ] {
+        assert!(
+            policy.contains(field),
+            "policy dump lacks {field}:\n{policy}"
+        );
+    }
+    let progs = Command::new("bpftool")
+        .args(["prog", "show"])
+        .output()
+        .unwrap();
+    let progs = String::from_utf8_lossy(&progs.stdout);
+    assert!(progs.contains("name ipoib_egress") && progs.contains("name ipoib_ingress"));
+}
+
+/// Marks `peer` CM_UP on `node`, redirecting to the node's CM stand-in, as the engine would.
+fn mark_cm_up(node: &Node, peer: &str) {
+    let ifindex = node.ifindex(node.cm_iface.as_deref().unwrap()).unwrap();
+    let mut maps = DatapathMaps::from_pins(&ipoib_ctl::attach::pin_dir(&node.iface)).unwrap();
+    let key = PeerKey::from(peer.parse::<std::net::IpAddr>().unwrap());
+    maps.set_peer(
+        key,
+        PeerEntry {
+            mode: peer_mode::CM_UP,
+            cm_ifindex: ifindex,
+            generation: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    start.elapsed()
+}
+
+/// kill -9 of the control loop under traffic: no packet lost, the heartbeat goes stale and
+/// big packets fall back to UD within the deadline; a new attach adopts the pins and the
+/// counters go on.
+#[test]
+fn restart_under_traffic_loses_nothing() {
+    let Some(mut lab) = lab_or_skip("restart_under_traffic_loses_nothing", "rst", true) else {
+        return;
+    };
+    let policy = std::env::temp_dir().join("ipoib-rst.policy");
+    std::fs::write(&policy, "heartbeat-timeout=1s\n").unwrap();
+    let policy_arg = ["--policy", policy.to_str().unwrap()];
+    let pid = lab.attach(Which::A, &policy_arg).unwrap();
+    lab.attach(Which::B, &[]).unwrap();
+    let (a, b_ip) = (lab.a.clone(), lab.b.ip4.to_string());
+    mark_cm_up(&a, &b_ip);
+
+    // 1400-byte pings: over the 1024-byte threshold, so they take the CM stand-in.
+    let mut pinger = a
+        .cmd("ping")
+        .args([
+            "-n", "-q", "-c", "400", "-s", "1400", "-i", "0.02", "-W", "2", &b_ip,
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("CM traffic", Duration::from_secs(5), || {
+        u(&peer_or_zero(&a, &b_ip), "tx_cm_packets") >= 20
+    });
+    let before_kill = a.peer(&b_ip).unwrap().unwrap();
+    lab.kill9(pid);
+    let stale0 = reason(&a.status().unwrap(), "tx_ud_heartbeat_stale");
+    let took = wait_for("the fail-safe", Duration::from_secs(4), || {
+        let s = a.status().unwrap();
+        s["failsafe_active"] == true && reason(&s, "tx_ud_heartbeat_stale") > stale0 + 5
+    });
+    // Deadline 1s, plus at most one 0.25s beat interval and a tick of the coarse clock.
+    assert!(
+        took < Duration::from_millis(2500),
+        "fail-safe took {took:?}"
+    );
+    let s = a.status().unwrap();
+    assert_eq!(s["loop_running"], false);
+
+    // Adopt: counters go on from where they were, CM resumes.
+    let pid2 = lab.attach(Which::A, &[]).unwrap();
+    assert_ne!(pid, pid2);
+    let after = a.peer(&b_ip).unwrap().unwrap();
+    assert!(u(&after, "tx_cm_packets") >= u(&before_kill, "tx_cm_packets"));
+    let cm0 = u(&after, "tx_cm_packets");
+    wait_for("CM again", Duration::from_secs(5), || {
+        u(&peer_or_zero(&a, &b_ip), "tx_cm_packets") > cm0 + 10
+    });
+    let out = pinger.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (sent, got) = ping_summary(&text).unwrap();
+    assert_eq!(
+        (sent, got),
+        (400, 400),
+        "packets lost across the restart: {text}"
+    );
+}
+
+/// TC egress sees TCP super-packets before segmentation: a bulk flow through the CM stand-in
+/// is classified and counted in packets far above the MTU, and its data arrives whole.
+#[test]
+fn gso_super_packets_take_the_cm_path_whole() {
+    if Command::new("iperf3").arg("-v").output().is_err() {
+        assert!(
+            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
+            "iperf3 missing (cargo xtask provision)"
+        );
+        eprintln!("!!! SKIPPED gso test: iperf3 is not installed");
+        return;
+    }
+    let Some(mut lab) = lab_or_skip("gso_super_packets_take_the_cm_path_whole", "gso", true) else {
+        return;
+    };
+    lab.attach(Which::A, &[]).unwrap();
+    lab.attach(Which::B, &[]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    mark_cm_up(&a, &b_ip);
+    let mut server = b
+        .cmd("iperf3")
+        .args(["-s", "-1", "-B", &b_ip, "-p", "5299"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let client = a
+        .cmd("iperf3")
+        .args(["-c", &b_ip, "-p", "5299", "-t", "2", "-J"])
+        .output()
+        .unwrap();
+    let _ = server.wait();
+    assert!(
+        client.status.success(),
+        "{}",
+        String::from_utf8_lossy(&client.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&client.stdout).unwrap();
+    let received = report["end"]["sum_received"]["bytes"].as_u64().unwrap();
+    let p = a.peer(&b_ip).unwrap().unwrap();
+    let (cm_pkts, cm_bytes) = (u(&p, "tx_cm_packets"), u(&p, "tx_cm_bytes"));
+    assert!(
+        cm_bytes as f64 >= received as f64 * 0.9,
+        "CM carried {cm_bytes} of {received}"
+    );
+    let mean = cm_bytes / cm_pkts.max(1);
+    assert!(
+        mean > 3000,
+        "mean CM packet {mean} bytes: no super-packets were seen"
+    );
+    eprintln!(
+        "iperf3 moved {received} bytes; egress redirected {cm_pkts} packets, {cm_bytes} bytes \
+         (mean {mean} B/packet), UD {} packets",
+        u(&p, "tx_ud_packets")
+    );
+}
+
+fn dump_pinned(dir: &str, map: &str) -> String {
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned", &format!("{dir}/{map}")])
+        .output()
+        .expect("bpftool");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let Some(mut lab) = lab_or_skip("bad_input_is_refused_and_changes_nothing", "bad", false)
+    else {
+        return;
+    };
+    lab.attach(Which::A, &[]).unwrap();
+    let a = lab.a.clone();
+    let out = a
+        .ctl(&["set-policy", &a.iface, "peer=10.77.0.9:ud"])
+        .unwrap();
+    assert!(out.status.success());
+    let dir = format!("/sys/fs/bpf/ipoib/{}", a.iface);
+    let snapshot = || {
+        (
+            dump_pinned(&dir, "ipoib_policy"),
+            dump_pinned(&dir, "ipoib_peers"),
+        )
+    };
+    let before = snapshot();
+    let bad: &[&[&str]] = &[
+        &["mode=turbo"],
+        &["cm-threshold=10"],
+        &["cm-threshold=70000"],
+        &["cm-threshold=abc"],
+        &["heartbeat-timeout=1ms"],
+        &["heartbeat-timeout=9h"],
+        &["kernel-cm=perhaps"],
+        &["ctl-port=0"],
+        &["ctl-port=99999"],
+        &["memory-budget=1KiB"],
+        &["memory-budget=5TiB"],
+        &["peer=10.77.0.9"],
+        &["peer=not-an-ip:ud"],
+        &["peer=224.1.1.1:cm"],
+        &["peer=10.77.0.9:sometimes"],
+        &["nonsense=1"],
+        &["mode"],
+        // A valid setting beside an invalid one: the valid one must not be written either.
+        &["cm-threshold=2048", "mode=turbo"],
+        &["peer=10.77.0.8:block", "ctl-port=0"],
+        // Conflicts.
+        &["mode=auto", "mode=datagram"],
+        &["peer=10.77.0.9:ud", "peer=10.77.0.9:cm"],
+        &["mode=datagram", "peer=10.77.0.9:cm"],
+    ];
+    for args in bad {
+        let mut argv = vec!["set-policy", a.iface.as_str()];
+        argv.extend_from_slice(args);
+        let out = a.ctl(&argv).unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?} was not refused as bad input"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("ipoib-ctl: "),
+            "{args:?}: unclear error: {err}"
+        );
+        assert_eq!(snapshot(), before, "{args:?} changed the pinned maps");
+    }
+    // A mode=datagram with an existing CM pin is a conflict with state, also refused.
+    let out = a
+        .ctl(&["set-policy", &a.iface, "peer=10.77.0.9:cm"])
+        .unwrap();
+    assert!(out.status.success());
+    let before = snapshot();
+    let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(snapshot(), before);
+
+    // Attaching to what cannot be attached.
+    assert_eq!(
+        a.ctl(&["attach", "nosuch0"]).unwrap().status.code(),
+        Some(2)
+    );
+    assert_eq!(a.ctl(&["attach", "lo"]).unwrap().status.code(), Some(2));
+    let down = "baddown0";
+    Command::new("nsenter")
+        .args([
+            &format!("--net=/run/netns/{}", a.ns),
+            "--",
+            "ip",
+            "link",
+            "add",
+            down,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "baddown1",
+        ])
+        .status()
+        .unwrap();
+    let out = a.ctl(&["attach", down]).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is down"));
+    assert!(!std::path::Path::new(&format!("/sys/fs/bpf/ipoib/{down}")).exists());
+    // A second control loop for the same interface is refused while the first runs.
+    let out = a.ctl(&["attach", &a.iface]).unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another ipoib-ctl"));
+    // Commands on an interface that is not attached.
+    assert_eq!(
+        a.ctl(&["set-policy", "nosuch0", "mode=auto"])
+            .unwrap()
+            .status
+            .code(),
+        Some(4)
+    );
+    assert_eq!(a.ctl(&["peers", "nosuch0"]).unwrap().status.code(), Some(4));
+    assert_eq!(
+        a.ctl(&["detach", "nosuch0"]).unwrap().status.code(),
+        Some(4)
+    );
+}
