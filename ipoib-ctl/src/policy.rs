@@ -179,7 +179,7 @@ pub fn parse_size(s: &str) -> Option<u64> {
 /// Formats bytes the way [`parse_size`] reads them back.
 pub fn format_size(b: u64) -> String {
     for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{}{unit}", b >> shift);
         }
     }
