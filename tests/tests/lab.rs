@@ -219,7 +219,7 @@ fn restart_under_traffic_loses_nothing() {
     mark_cm_up(&a, &b_ip);
 
     // 1400-byte pings: over the 1024-byte threshold, so they take the CM stand-in.
-    let mut pinger = a
+    let pinger = a
         .cmd("ping")
         .args([
             "-n", "-q", "-c", "400", "-s", "1400", "-i", "0.02", "-W", "2", &b_ip,
