@@ -120,7 +120,7 @@ fn install_signal_handlers() {
 /// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.
 fn lock_iface(iface: &str) -> Result<File> {
     std::fs::create_dir_all(attach::RUN_DIR)?;
-    let path = PathBuf::from(attach::RUN_DIR).join(format!("{iface}.lock"));
+    let path = lock_path(iface);
     let f = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
     // SAFETY: flock on an owned, open fd.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
@@ -146,8 +146,20 @@ fn cmd_attach(iface: &str, policy: Option<PathBuf>) -> Result<()> {
         None => None,
     };
     let dev = Netdev::lookup(iface)?;
-    let _lock = lock_iface(iface)?;
-    let mut att = attach::attach(&dev, change.as_ref())?;
+    dev.check_attachable()?;
+    let lock = lock_iface(iface)?;
+    let result = control_loop(iface, &dev, change.as_ref());
+    drop(lock);
+    let _ = std::fs::remove_file(lock_path(iface));
+    result
+}
+
+fn lock_path(iface: &str) -> PathBuf {
+    PathBuf::from(attach::RUN_DIR).join(format!("{iface}.lock"))
+}
+
+fn control_loop(iface: &str, dev: &Netdev, change: Option<&PolicyChange>) -> Result<()> {
+    let mut att = attach::attach(dev, change)?;
     att.state.loop_pid = Some(std::process::id());
     attach::write_state(&att.state)?;
     tracing::info!(

@@ -248,7 +248,12 @@ impl Lab {
         for n in [self.a.clone(), self.b.clone()] {
             let _ = n.ctl(&["detach", &n.iface]);
         }
+        // detach told each loop to stop: give them a moment to exit cleanly.
+        let deadline = Instant::now() + Duration::from_secs(2);
         for c in &mut self.children {
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = c.kill();
             let _ = c.wait();
         }

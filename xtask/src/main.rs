@@ -17,7 +17,8 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "cargo xtask",
     about = "ipoib-hybrid project tasks",
-    after_help = "Examples:\n  cargo xtask provision      install what builds and tests need\n  \
+    after_help = "Examples:\n  cargo xtask run            the two-node lab (or attach to ib0 where it exists)\n  \
+                  cargo xtask provision      install what builds and tests need\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one"
 )]
@@ -28,6 +29,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The main job: attach to the IPoIB interface if there is one; otherwise build the
+    /// two-node lab, attach both ends, send real traffic, show live status, tear down.
+    Run {
+        /// Seconds of bulk TCP in the lab.
+        #[arg(long, default_value_t = 6)]
+        duration: u32,
+        /// Print the final status of both lab nodes as JSON too.
+        #[arg(long)]
+        json: bool,
+    },
     /// Install the toolchain parts and Debian packages the project needs (idempotent).
     Provision {
         /// Also what the soft-RoCE VM needs (qemu, Debian's kernel, rdma-core, virtme-ng).
@@ -65,6 +76,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let root = workspace_root();
     match cli.cmd {
+        Cmd::Run { duration, json } => run(&root, duration, json),
         Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
         Cmd::Test { args } => test(&root, &args),
         Cmd::Bench {
@@ -141,6 +153,31 @@ fn is_root() -> bool {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
         .unwrap_or(false)
+}
+
+fn run(root: &Path, duration: u32, json: bool) -> Result<()> {
+    if !is_root() {
+        bail!("cargo xtask run needs root: it loads eBPF programs and builds network namespaces");
+    }
+    provision::run(provision::Scope::default())?;
+    provision::ensure_bpffs()?;
+    cargo(root)
+        .args([
+            "build",
+            "-q",
+            "-p",
+            "ipoib-ctl",
+            "-p",
+            "ipoib-tests",
+            "--bins",
+        ])
+        .status_ok("cargo build")?;
+    let mut c = Command::new(root.join("target/debug/ipoib-lab"));
+    c.args(["--duration", &duration.to_string()]);
+    if json {
+        c.arg("--json");
+    }
+    c.status_ok("ipoib-lab")
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {

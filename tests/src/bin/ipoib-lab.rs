@@ -1,0 +1,200 @@
+//! `cargo xtask run`: on a machine with an IPoIB interface, attach to it; on one without, build
+//! the two-node lab, attach both ends, send real traffic, show both nodes live, tear down.
+
+use std::{
+    process::{Command, ExitCode, Stdio},
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::Parser;
+use ipoib_common::{ARPHRD_INFINIBAND, PeerEntry, PeerKey, peer_mode};
+use ipoib_ctl::{attach::pin_dir, maps::DatapathMaps, netdev::Netdev, status};
+use ipoib_tests::lab::{Lab, Node, Which, ctl_path, lab_unavailable, ping_summary};
+
+#[derive(Parser)]
+#[command(about = "Run the IPoIB hybrid datapath: on a real IPoIB interface, or in a two-node lab")]
+struct Args {
+    /// Seconds of bulk TCP in the lab.
+    #[arg(long, default_value_t = 6)]
+    duration: u32,
+    /// Always run the lab, even where an IPoIB interface exists.
+    #[arg(long)]
+    lab: bool,
+    /// Print the final status of both lab nodes as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn ipoib_interfaces() -> Vec<String> {
+    std::fs::read_dir("/sys/class/net")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| Netdev::lookup(n).is_ok_and(|d| d.arphrd == ARPHRD_INFINIBAND))
+        .collect()
+}
+
+fn show(title: &str, n: &Node) {
+    match status::gather(&n.iface) {
+        Ok(s) => print!(
+            "--- {title} ({} in netns {}) ---\n{}",
+            n.iface,
+            n.ns,
+            status::render(&s)
+        ),
+        Err(e) => println!("--- {title}: {e}"),
+    }
+}
+
+fn sleep_unless_stopped(d: Duration) {
+    let end = Instant::now() + d;
+    while Instant::now() < end && !STOP.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn demo(args: &Args) -> Result<()> {
+    if let Some(why) = lab_unavailable() {
+        bail!("{why}");
+    }
+    println!(
+        "No IPoIB interface here: building the two-node lab (two network namespaces, a veth pair)."
+    );
+    let mut lab = Lab::new("demo", true).context("building the lab")?;
+    lab.attach(Which::A, &[])?;
+    lab.attach(Which::B, &[])?;
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    println!(
+        "attached ipoib-ctl to {} ({}) and {} ({})\n",
+        a.iface, a.ip4, b.iface, b.ip4
+    );
+
+    let out = a
+        .cmd("ping")
+        .args(["-n", "-q", "-c", "10", "-i", "0.1", &b_ip])
+        .output()?;
+    let (sent, got) = ping_summary(&String::from_utf8_lossy(&out.stdout)).unwrap_or((0, 0));
+    println!(
+        "ping {} -> {}: {got}/{sent} replies (small packets: UD)",
+        a.ip4, b.ip4
+    );
+    if STOP.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+
+    // No RDMA here, so no CM engine: a second veth pair stands in for the CM device. Marking B
+    // CM_UP on A, as the engine does once a connection is up, sends A's big packets through it.
+    let cm_ifindex = a.ifindex(a.cm_iface.as_deref().expect("cm stand-in"))?;
+    let mut maps = DatapathMaps::from_pins(&pin_dir(&a.iface))?;
+    maps.set_peer(
+        PeerKey::from(std::net::IpAddr::V4(b.ip4)),
+        PeerEntry {
+            mode: peer_mode::CM_UP,
+            cm_ifindex,
+            generation: 1,
+            ..Default::default()
+        },
+    )?;
+    println!(
+        "marked {} CM_UP on {} (CM stand-in {}, ifindex {cm_ifindex}); bulk TCP for {} s...\n",
+        b.ip4,
+        a.iface,
+        a.cm_iface.as_deref().unwrap_or("?"),
+        args.duration
+    );
+    let mut server = b
+        .cmd("iperf3")
+        .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("iperf3 server (cargo xtask provision installs iperf3)")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = a
+        .cmd("iperf3")
+        .args([
+            "-c",
+            &b_ip,
+            "-p",
+            "5201",
+            "-t",
+            &args.duration.to_string(),
+            "-f",
+            "g",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let start = Instant::now();
+    while client.try_wait()?.is_none() && !STOP.load(Ordering::SeqCst) {
+        sleep_unless_stopped(Duration::from_secs(2));
+        println!("=== {:.0} s", start.elapsed().as_secs_f64());
+        show("node A", &a);
+    }
+    let _ = client.kill();
+    let out = client.wait_with_output()?;
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if let Some(l) = text.lines().rev().find(|l| l.contains("receiver")) {
+        println!("\niperf3: {}", l.trim());
+    }
+    println!("\n=== final");
+    show("node A", &a);
+    show("node B", &b);
+    if args.json {
+        let both: Vec<_> = [&a, &b]
+            .iter()
+            .filter_map(|n| status::gather(&n.iface).ok())
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&both)?);
+    }
+    println!("\ntearing the lab down (namespaces, links, pins)");
+    lab.teardown();
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+    let ifaces = if args.lab {
+        Vec::new()
+    } else {
+        ipoib_interfaces()
+    };
+    let result = if let Some(iface) = ifaces.first() {
+        println!("IPoIB interface {iface} found: ipoib-ctl attach {iface} (Ctrl-C to stop)");
+        Command::new(ctl_path())
+            .args(["attach", iface])
+            .status()
+            .map_err(Into::into)
+            .and_then(|s| {
+                if s.success() {
+                    Ok(())
+                } else {
+                    bail!("ipoib-ctl exited with {s}")
+                }
+            })
+    } else {
+        demo(&args)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ipoib-lab: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
