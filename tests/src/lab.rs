@@ -191,6 +191,13 @@ impl Lab {
 
     /// Starts `ipoib-ctl attach` on a node, waiting until its heartbeat is fresh.
     pub fn attach(&mut self, which: Which, extra: &[&str]) -> Result<u32> {
+        let ctl = ctl_path();
+        if !ctl.exists() {
+            bail!(
+                "{} is not built: `cargo xtask test` builds it (or `cargo build -p ipoib-ctl`)",
+                ctl.display()
+            );
+        }
         let n = self.node(which).clone();
         let log = std::env::temp_dir().join(format!("{}.ctl.log", n.ns));
         let log_file = std::fs::File::create(&log)?;

@@ -211,6 +211,11 @@ fn test(root: &Path, args: &[String]) -> Result<()> {
         ])
         .args(["-q", "--", "-D", "warnings"])
         .status_ok("cargo clippy (eBPF)")?;
+    // The lab tests run the real ipoib-ctl binary, which `cargo test` alone does not build.
+    println!("==> cargo build --bins (ipoib-ctl, for the lab tests)");
+    cargo(root)
+        .args(["build", "-q", "-p", "ipoib-ctl", "--bins"])
+        .status_ok("cargo build ipoib-ctl")?;
     let mut c = cargo(root);
     // The eBPF crate only builds for its own target; ipoib-ctl's build script builds it.
     c.args(["test", "--workspace", "--exclude", "ipoib-ebpf"]);
