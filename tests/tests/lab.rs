@@ -39,6 +39,15 @@ fn ping(from: &Node, to: &str, count: u32, size: u32, interval: &str) -> (u32, u
     ping_summary(&text).unwrap_or_else(|| panic!("no ping summary in: {text}"))
 }
 
+fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let rel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut it = rel
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|x| x.parse::<u32>().ok());
+    let (ma, mi) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+    (ma, mi) >= (major, minor)
+}
+
 fn u(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or(0)
 }
@@ -103,9 +112,36 @@ fn lab_counts_traffic_and_takes_policy_live() {
     );
     assert_eq!(reason(&s2, "tx_ud_small") - reason(&s1, "tx_ud_small"), 5);
 
-    // detach: programs and pins gone, traffic still flows.
+    // TCX where the kernel has it (>= 6.6), a netlink clsact filter below.
+    let tcx = kernel_at_least(6, 6);
+    assert_eq!(s2["egress_attach"], if tcx { "tcx" } else { "netlink" });
+    let prog_id = |name: &str| {
+        let path = format!("/sys/fs/bpf/ipoib/{}/{name}", a.iface);
+        let out = Command::new("bpftool")
+            .args(["-j", "prog", "show", "pinned", &path])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool json");
+        v["id"].as_u64().expect("prog id")
+    };
+    let ids = [prog_id("prog_egress"), prog_id("prog_ingress")];
+
+    // detach: programs, links and pins gone, traffic still flows.
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert!(out.status.success());
+    // Nothing references the programs any more (no link, filter, pin or fd): the kernel freed
+    // them, so nothing of ours stays attached, on the TCX path or the netlink one.
+    for id in ids {
+        let gone = wait_until(Duration::from_secs(3), || {
+            !Command::new("bpftool")
+                .args(["prog", "show", "id", &id.to_string()])
+                .output()
+                .unwrap()
+                .status
+                .success()
+        });
+        assert!(gone, "program id {id} still exists after detach");
+    }
     assert_eq!(a.ctl(&["status", &a.iface]).unwrap().status.code(), Some(4));
     assert!(!std::path::Path::new(&format!("/sys/fs/bpf/ipoib/{}", a.iface)).exists());
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
@@ -191,6 +227,17 @@ fn mark_cm_up(node: &Node, peer: &str) {
         },
     )
     .unwrap();
+}
+
+fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while !f() {
+        if start.elapsed() > timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
 }
 
 fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {

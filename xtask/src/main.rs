@@ -4,6 +4,7 @@
 //! first; it is idempotent and a second run does nothing.
 
 mod provision;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -47,10 +48,17 @@ enum Cmd {
     },
     /// Provision, then run fmt, clippy and every test. Needs root for the kernel tests.
     Test {
+        /// Skip the run on Debian's 6.1 kernel in the VM (CI does not skip it).
+        #[arg(long)]
+        no_vm: bool,
         /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Boot Debian's 6.1 kernel in a VM (qemu, software emulation) and run the kernel and lab
+    /// tests inside it: the programs must verify and behave the same on the older kernel,
+    /// where egress attaches through netlink clsact instead of TCX.
+    VmTest,
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
     Bench {
         #[command(subcommand)]
@@ -78,7 +86,16 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Run { duration, json } => run(&root, duration, json),
         Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
-        Cmd::Test { args } => test(&root, &args),
+        Cmd::Test { no_vm, args } => {
+            test(&root, &args)?;
+            if no_vm {
+                println!("==> skipping the 6.1 VM run (--no-vm)");
+                Ok(())
+            } else {
+                vm::test(&root)
+            }
+        }
+        Cmd::VmTest => vm::test(&root),
         Cmd::Bench {
             what: Bench::Datapath { repeat, rounds },
         } => {
@@ -115,7 +132,7 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-fn cargo(root: &Path) -> Command {
+pub(crate) fn cargo(root: &Path) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root);
     c
@@ -131,7 +148,7 @@ fn cargo_nightly(dir: &Path) -> Command {
     c
 }
 
-trait StatusOk {
+pub(crate) trait StatusOk {
     fn status_ok(&mut self, what: &str) -> Result<()>;
 }
 
@@ -147,7 +164,7 @@ impl StatusOk for Command {
     }
 }
 
-fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()

@@ -1,0 +1,120 @@
+//! The VM: Debian's kernel booted with virtme-ng under qemu, sharing the host's filesystem, so
+//! the test binaries built here run inside it as they are.
+//!
+//! /dev/kvm on these machines cannot run a stock kernel (see ../shared/notes/toolchain.md):
+//! software emulation unless IPOIB_VM_KVM=1.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{StatusOk as _, cargo, is_root, provision};
+
+/// The newest Debian 6.1 kernel image installed.
+pub fn kernel() -> Result<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/boot")
+        .context("reading /boot")?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-6.1."))
+        })
+        .collect();
+    found.sort();
+    found
+        .pop()
+        .context("no /boot/vmlinuz-6.1.* (cargo xtask provision --vm installs linux-image-amd64)")
+}
+
+/// Builds the test binaries and returns the executables of the named test targets.
+fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>> {
+    let out = cargo(root)
+        .args([
+            "test",
+            "-p",
+            "ipoib-tests",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("building the test binaries failed");
+    }
+    let mut bins = Vec::new();
+    for line in out.stdout.split(|b| *b == b'\n') {
+        let Ok(msg) = serde_json::from_slice::<serde_json::Value>(line) else {
+            continue;
+        };
+        let name = msg["target"]["name"].as_str().unwrap_or_default();
+        if let (Some(exe), true) = (msg["executable"].as_str(), targets.contains(&name)) {
+            bins.push((name.to_string(), PathBuf::from(exe)));
+        }
+    }
+    for t in targets {
+        if !bins.iter().any(|(n, _)| n == t) {
+            bail!("test target {t} was not built");
+        }
+    }
+    Ok(bins)
+}
+
+pub fn test(root: &Path) -> Result<()> {
+    if !is_root() {
+        bail!("the VM tests need root (the lab inside builds network namespaces)");
+    }
+    provision::run(provision::Scope { vm: true })?;
+    cargo(root)
+        .args(["build", "-q", "-p", "ipoib-ctl", "--bins"])
+        .status_ok("cargo build ipoib-ctl")?;
+    let bins = test_binaries(root, &["fastpath", "lab"])?;
+    let kernel = kernel()?;
+    // One boot for every binary; the script's status is the run's status.
+    let mut script = String::from("set -u; rc=0; uname -r; ");
+    for (name, exe) in &bins {
+        script.push_str(&format!(
+            "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 {} --test-threads=1 || rc=1; ",
+            exe.display()
+        ));
+    }
+    script.push_str("exit $rc");
+    println!(
+        "==> booting {} in a VM (software emulation: about a minute to boot)",
+        kernel.display()
+    );
+    let mut vng = Command::new("vng");
+    if std::env::var("IPOIB_VM_KVM").as_deref() != Ok("1") {
+        vng.arg("--disable-kvm");
+    }
+    let mut child = vng
+        .arg("-r")
+        .arg(&kernel)
+        .args(["--cpus", "2", "--memory", "2G", "--exec", &script])
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting vng (cargo xtask provision --vm installs virtme-ng)")?;
+    let mut booted = false;
+    for line in BufReader::new(child.stdout.take().expect("stdout")).lines() {
+        let line = line?;
+        booted |= line.starts_with("==> ");
+        println!("[vm] {line}");
+    }
+    let status = child.wait()?;
+    if !booted {
+        bail!("the VM did not boot or ran nothing ({status})");
+    }
+    if !status.success() {
+        bail!("tests failed inside the VM ({status})");
+    }
+    println!("==> VM tests passed on {}", kernel.display());
+    Ok(())
+}
