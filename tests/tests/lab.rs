@@ -494,3 +494,81 @@ fn bad_input_is_refused_and_changes_nothing() {
         Some(4)
     );
 }
+
+#[test]
+fn without_root_every_command_says_so() {
+    if lab_unavailable().is_some() {
+        eprintln!("!!! SKIPPED without_root_every_command_says_so: needs root to drop root");
+        return;
+    }
+    let ctl = ctl_path();
+    for args in [
+        &["status"][..],
+        &["attach", "lo"],
+        &["set-policy", "x0", "mode=auto"],
+    ] {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&ctl)
+            .args(args)
+            .output()
+            .expect("setpriv");
+        assert_eq!(out.status.code(), Some(3), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("needs root"),
+            "{args:?}"
+        );
+    }
+}
+
+/// `cargo xtask run` without IPoIB: Ctrl-C in the middle of the demo tears the lab down and
+/// leaves nothing behind (namespaces, links, pins, programs).
+#[test]
+fn lab_demo_leaves_nothing_behind_on_ctrl_c() {
+    if let Some(why) = lab_unavailable() {
+        assert!(
+            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
+            "{why}"
+        );
+        eprintln!("!!! SKIPPED lab demo test: {why}");
+        return;
+    }
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_ipoib-lab"))
+        .args(["--lab", "--duration", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let pins = std::path::Path::new("/sys/fs/bpf/ipoib/demoa0");
+    let up = wait_until(Duration::from_secs(30), || {
+        pins.exists() && std::path::Path::new("/run/netns/ipoib-lab-demo-b").exists()
+    });
+    assert!(up, "the demo did not come up");
+    std::thread::sleep(Duration::from_secs(3)); // into the bulk phase
+    // SAFETY: plain kill(2).
+    unsafe { libc::kill(demo.id() as i32, libc::SIGINT) };
+    let out = demo.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo exited with {}: {text}",
+        out.status
+    );
+    assert!(text.contains("tearing the lab down"), "{text}");
+    for ns in ["ipoib-lab-demo-a", "ipoib-lab-demo-b"] {
+        assert!(
+            !std::path::Path::new(&format!("/run/netns/{ns}")).exists(),
+            "{ns} left behind"
+        );
+    }
+    for iface in ["demoa0", "demob0"] {
+        assert!(!std::path::Path::new(&format!("/sys/fs/bpf/ipoib/{iface}")).exists());
+        assert!(!std::path::Path::new(&format!("/run/ipoib-ctl/{iface}.json")).exists());
+        assert!(!std::path::Path::new(&format!("/run/ipoib-ctl/{iface}.lock")).exists());
+    }
+    let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
+    assert!(
+        !String::from_utf8_lossy(&links.stdout).contains("demo"),
+        "links left behind"
+    );
+}
