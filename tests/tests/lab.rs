@@ -533,7 +533,7 @@ fn lab_demo_leaves_nothing_behind_on_ctrl_c() {
         eprintln!("!!! SKIPPED lab demo test: {why}");
         return;
     }
-    let mut demo = Command::new(env!("CARGO_BIN_EXE_ipoib-lab"))
+    let demo = Command::new(env!("CARGO_BIN_EXE_ipoib-lab"))
         .args(["--lab", "--duration", "60"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
