@@ -11,5 +11,7 @@ pub mod clock;
 pub mod datapath;
 pub mod maps;
 pub mod netdev;
+pub mod plan;
 pub mod policy;
 pub mod status;
+pub mod verbs;

@@ -28,10 +28,12 @@ mod exit {
     pub const NO_PRIVILEGE: u8 = 3;
     /// The interface is not attached.
     pub const NOT_ATTACHED: u8 = 4;
+    /// No RDMA device (or no RDMA support in this kernel).
+    pub const NO_RDMA: u8 = 5;
 }
 
 const EXIT_CODES: &str = "Exit codes: 0 ok, 1 failure, 2 bad input (nothing changed), \
-                          3 not root or no BPF, 4 interface not attached.";
+                          3 not root or no BPF, 4 interface not attached, 5 no RDMA device.";
 
 #[derive(Parser)]
 #[command(
@@ -94,6 +96,19 @@ enum Cmd {
         iface: Option<String>,
         #[arg(long)]
         json: bool,
+    },
+    /// What the HCAs can do (every device and port, through verbs) and the memory plan.
+    #[command(
+        after_help = "Examples:\n  ipoib-ctl caps\n  ipoib-ctl caps --json\n  \
+                            ipoib-ctl caps --memory-budget 1GiB\n\n\
+                            Exits 5 where there is no RDMA device."
+    )]
+    Caps {
+        #[arg(long)]
+        json: bool,
+        /// Plan with this budget instead of the automatic one (16MiB..1TiB).
+        #[arg(long, value_name = "SIZE")]
+        memory_budget: Option<String>,
     },
     /// Per-peer mode, pin and traffic by path on IFACE.
     #[command(after_help = "Example:\n  ipoib-ctl peers ib0 --json")]
@@ -281,6 +296,10 @@ fn run(cli: Cli) -> Result<()> {
                 Ok(())
             }
         }
+        Cmd::Caps {
+            json,
+            memory_budget,
+        } => caps(json, memory_budget.as_deref()),
         Cmd::Peers { iface, json } => {
             let peers = status::peers(&attach::open(&iface)?)?;
             if json {
@@ -293,9 +312,91 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+fn caps(json: bool, memory_budget: Option<&str>) -> Result<()> {
+    use ipoib_ctl::{plan, policy::format_size, verbs};
+    let budget = match memory_budget {
+        Some(v) => Some(
+            PolicyChange::parse(&[format!("memory-budget={v}")])?
+                .memory_budget
+                .expect("parsed"),
+        ),
+        None => None,
+    };
+    let devices = verbs::discover()?;
+    let mem = verbs::system_memory();
+    let planned: Vec<_> = devices
+        .iter()
+        .map(|d| (d, plan::plan(&d.limits(), mem, budget)))
+        .collect();
+    if json {
+        let v: Vec<_> = planned
+            .iter()
+            .map(|(d, p)| serde_json::json!({ "device": d, "plan": p }))
+            .collect();
+        return print_json(&serde_json::json!({ "system_memory": mem, "devices": v }));
+    }
+    for (d, p) in &planned {
+        println!(
+            "{}: fw {} node_guid {} max_qp {} max_qp_wr {} max_cqe {} max_sge {}",
+            d.name, d.fw_ver, d.node_guid, d.max_qp, d.max_qp_wr, d.max_cqe, d.max_sge
+        );
+        if d.srq() {
+            println!(
+                "  srq: yes (max_srq {}, max_srq_wr {}, max_srq_sge {})",
+                d.max_srq, d.max_srq_wr, d.max_srq_sge
+            );
+        } else {
+            println!("  srq: no");
+        }
+        for port in &d.ports {
+            println!(
+                "  port {}: {}, active_mtu {} (max {}), link_layer {}, lid {}, {} GIDs",
+                port.port,
+                port.state,
+                port.active_mtu,
+                port.max_mtu,
+                port.link_layer,
+                port.lid,
+                port.gids.len()
+            );
+            for g in &port.gids {
+                println!("    gid {g}");
+            }
+        }
+        println!(
+            "  memory plan ({:?}): {}\n    uses {} of a {} budget ({}); buffer {} B, cm mtu {}",
+            p.kind,
+            p.why,
+            format_size(p.memory_bytes),
+            format_size(p.budget_bytes),
+            p.budget_source,
+            p.buffer_bytes,
+            p.cm_mtu
+        );
+        println!(
+            "    the kernel: {} with SRQ; without SRQ {} at 4096 peers",
+            format_size(plan::kernel_memory(4096, true)),
+            format_size(plan::kernel_memory(4096, false))
+        );
+    }
+    Ok(())
+}
+
 fn exit_code(e: &anyhow::Error) -> u8 {
     use ipoib_ctl::{datapath::DatapathError, netdev::NetdevError, policy::PolicyError};
     for cause in e.chain() {
+        if cause
+            .downcast_ref::<ipoib_ctl::verbs::VerbsError>()
+            .is_some_and(|v| {
+                matches!(
+                    v,
+                    ipoib_ctl::verbs::VerbsError::NoKernelSupport(_)
+                        | ipoib_ctl::verbs::VerbsError::NoDevices
+                )
+            })
+        {
+            return exit::NO_RDMA;
+        }
         if cause.downcast_ref::<PolicyError>().is_some()
             || cause.downcast_ref::<NetdevError>().is_some()
         {

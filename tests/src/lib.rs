@@ -381,6 +381,19 @@ impl Rng {
     }
 }
 
+/// Says that a test skipped, where a person sees it: the test harness captures the output of
+/// passing tests, so this writes to the process' stderr file itself.
+pub fn loud_skip(test: &str, why: &str) {
+    use std::io::Write as _;
+    let msg = format!("\n!!! SKIPPED {test}: {why}\n");
+    match std::fs::OpenOptions::new().write(true).open("/dev/stderr") {
+        Ok(mut f) => {
+            let _ = f.write_all(msg.as_bytes());
+        }
+        Err(_) => eprint!("{msg}"),
+    }
+}
+
 /// Whether a test that needs BPF may run here. Returns the loaded datapath, `None` (after a
 /// loud message) only where the machine truly cannot: not root and no CAP_BPF. With
 /// `IPOIB_REQUIRE_BPF=1` (set by CI) a missing capability is a failure, not a skip.
@@ -393,9 +406,12 @@ pub fn load_or_skip(test: &str) -> Option<Datapath> {
             if is_root || required {
                 panic!("{test}: loading the datapath failed: {e}");
             }
-            eprintln!(
-                "\n!!! SKIPPED {test}: this test runs eBPF in the kernel and needs root \
-                 (or CAP_BPF + CAP_NET_ADMIN); loading failed: {e}\n"
+            loud_skip(
+                test,
+                &format!(
+                    "this test runs eBPF in the kernel and needs root (or CAP_BPF + \
+                     CAP_NET_ADMIN); loading failed: {e}"
+                ),
             );
             None
         }

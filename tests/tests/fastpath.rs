@@ -1028,6 +1028,9 @@ fn random_frames_are_safe() {
     }
     match (alarms_before, kernel_log_alarms()) {
         (Some(b), Some(a)) => assert_eq!(a, b, "the kernel logged new warnings"),
-        _ => eprintln!("!!! dmesg unreadable here: kernel warnings were not checked"),
+        _ => loud_skip(
+            "random_frames_are_safe (kernel warning check)",
+            "dmesg unreadable here",
+        ),
     }
 }

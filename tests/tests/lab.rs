@@ -15,7 +15,7 @@ fn lab_or_skip(test: &str, tag: &str, cm_path: bool) -> Option<Lab> {
         if std::env::var("IPOIB_REQUIRE_BPF").is_ok_and(|v| v == "1") {
             panic!("{test}: {why}");
         }
-        eprintln!("\n!!! SKIPPED {test}: {why}\n");
+        ipoib_tests::loud_skip(test, &why);
         return None;
     }
     Some(Lab::new(tag, cm_path).unwrap_or_else(|e| panic!("{test}: building the lab: {e:#}")))
@@ -320,7 +320,10 @@ fn gso_super_packets_take_the_cm_path_whole() {
             std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
             "iperf3 missing (cargo xtask provision)"
         );
-        eprintln!("!!! SKIPPED gso test: iperf3 is not installed");
+        ipoib_tests::loud_skip(
+            "gso_super_packets_take_the_cm_path_whole",
+            "iperf3 is not installed",
+        );
         return;
     }
     let Some(mut lab) = lab_or_skip("gso_super_packets_take_the_cm_path_whole", "gso", true) else {
@@ -498,7 +501,10 @@ fn bad_input_is_refused_and_changes_nothing() {
 #[test]
 fn without_root_every_command_says_so() {
     if lab_unavailable().is_some() {
-        eprintln!("!!! SKIPPED without_root_every_command_says_so: needs root to drop root");
+        ipoib_tests::loud_skip(
+            "without_root_every_command_says_so",
+            "needs root to drop root",
+        );
         return;
     }
     let ctl = ctl_path();
@@ -530,7 +536,7 @@ fn lab_demo_leaves_nothing_behind_on_ctrl_c() {
             std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
             "{why}"
         );
-        eprintln!("!!! SKIPPED lab demo test: {why}");
+        ipoib_tests::loud_skip("lab_demo_leaves_nothing_behind_on_ctrl_c", &why);
         return;
     }
     let demo = Command::new(env!("CARGO_BIN_EXE_ipoib-lab"))

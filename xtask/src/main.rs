@@ -55,10 +55,13 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Boot Debian's 6.1 kernel in a VM (qemu, software emulation) and run the kernel and lab
-    /// tests inside it: the programs must verify and behave the same on the older kernel,
-    /// where egress attaches through netlink clsact instead of TCX.
-    VmTest,
+    /// Boot Debian's 6.1 kernel in a VM (qemu, software emulation) and run the kernel, lab and
+    /// verbs tests inside it: the programs must verify and behave the same on the older kernel
+    /// (egress attaches through netlink clsact there), and verbs run on soft-RoCE.
+    VmTest {
+        /// Only these test targets (fastpath, lab, verbs); all by default.
+        targets: Vec<String>,
+    },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
     Bench {
         #[command(subcommand)]
@@ -92,10 +95,10 @@ fn main() -> Result<()> {
                 println!("==> skipping the 6.1 VM run (--no-vm)");
                 Ok(())
             } else {
-                vm::test(&root)
+                vm::test(&root, &[])
             }
         }
-        Cmd::VmTest => vm::test(&root),
+        Cmd::VmTest { targets } => vm::test(&root, &targets),
         Cmd::Bench {
             what: Bench::Datapath { repeat, rounds },
         } => {

@@ -66,7 +66,10 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
     Ok(bins)
 }
 
-pub fn test(root: &Path) -> Result<()> {
+/// Test targets run in the VM.
+pub const TARGETS: &[&str] = &["fastpath", "lab", "verbs"];
+
+pub fn test(root: &Path, only: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the VM tests need root (the lab inside builds network namespaces)");
     }
@@ -74,13 +77,26 @@ pub fn test(root: &Path) -> Result<()> {
     cargo(root)
         .args(["build", "-q", "-p", "ipoib-ctl", "--bins"])
         .status_ok("cargo build ipoib-ctl")?;
-    let bins = test_binaries(root, &["fastpath", "lab"])?;
+    let targets: Vec<&str> = if only.is_empty() {
+        TARGETS.to_vec()
+    } else {
+        for t in only {
+            if !TARGETS.contains(&t.as_str()) {
+                bail!(
+                    "unknown VM test target `{t}` (targets: {})",
+                    TARGETS.join(", ")
+                );
+            }
+        }
+        only.iter().map(String::as_str).collect()
+    };
+    let bins = test_binaries(root, &targets)?;
     let kernel = kernel()?;
     // One boot for every binary; the script's status is the run's status.
     let mut script = String::from("set -u; rc=0; uname -r; ");
     for (name, exe) in &bins {
         script.push_str(&format!(
-            "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 {} --test-threads=1 || rc=1; ",
+            "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 {} --test-threads=1 || rc=1; ",
             exe.display()
         ));
     }

@@ -1,0 +1,314 @@
+//! The memory plan: how much receive memory connected mode may use, and how it is spent.
+//! A pure function of (HCA capabilities, system memory, policy); no I/O.
+//!
+//! # The rule
+//!
+//! * **Budget.** `memory-budget` when the policy sets it; otherwise 1/64 of system memory,
+//!   clamped to [64 MiB, 2 GiB] (a 24 GiB node: 384 MiB; 256 GiB and more: 2 GiB).
+//! * **Buffer.** One receive buffer holds one CM message: 65524 bytes (Linux' CM receive
+//!   buffer: a 4084-byte head and 15 pages, 16 SGEs). Where the HCA allows fewer SGEs per SRQ
+//!   receive, the buffer shrinks as the kernel's does: `max_srq_sge * PAGE_SIZE - 0x10`.
+//!   Each buffer costs whole pages (64 KiB for the default).
+//! * **With SRQ** (`max_srq > 0`): one SRQ per port shared by every RC QP, as deep as the budget
+//!   allows, a power of two (as the kernel's ring sizes), at most `max_srq_wr` and the CQ's
+//!   `max_cqe`. Memory does not grow with the number of peers; connections are capped only by
+//!   `max_qp` (minus a reserve for the UD side).
+//! * **Without SRQ**: each connection needs its own ring of [`RING_PER_CONNECTION`] buffers
+//!   (4 MiB; the kernel uses 256 buffers, 16 MiB). The number of CM peers is capped so that
+//!   every ring fits the budget; every other peer uses UD.
+//! * **UD only** when the budget cannot hold [`MIN_SRQ_DEPTH`] buffers (SRQ) or one ring (no
+//!   SRQ), or the HCA has no RC queue pairs to spare.
+//!
+//! For comparison, the kernel's costs (../shared/notes/ipoib-reference.md): with SRQ one
+//! 256-buffer SRQ, ~16 MiB; without SRQ ~16 MiB per connection: at 4096 peers ~64 GiB, and
+//! past `max_nonsrq_conn_qp` (128 by default) further connections are refused.
+
+use serde::Serialize;
+
+pub const PAGE_SIZE: u64 = 4096;
+/// Linux' CM receive buffer (IPOIB_CM_BUF_SIZE: IPOIB_CM_MTU + IPOIB_ENCAP_LEN).
+pub const CM_BUF_SIZE: u64 = 65524;
+/// SGEs the default buffer needs (a head plus 15 pages).
+pub const CM_BUF_SGES: u32 = 16;
+/// Kernel default ring size per connection without SRQ, for comparisons.
+pub const KERNEL_RECV_QUEUE_SIZE: u64 = 256;
+/// Receive ring per connection without SRQ.
+pub const RING_PER_CONNECTION: u64 = 64;
+/// Smallest SRQ worth having.
+pub const MIN_SRQ_DEPTH: u64 = 64;
+/// Largest SRQ we post (the kernel's recv_queue_size maximum).
+pub const MAX_SRQ_DEPTH: u64 = 8192;
+/// Queue pairs left to the UD side and the control plane.
+pub const QP_RESERVE: u64 = 8;
+
+pub const BUDGET_MIN: u64 = 64 << 20;
+pub const BUDGET_MAX: u64 = 2 << 30;
+
+/// What the plan needs to know about one port's HCA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HcaLimits {
+    pub max_qp: u64,
+    pub max_qp_wr: u64,
+    pub max_cqe: u64,
+    /// 0: the HCA has no SRQ.
+    pub max_srq: u64,
+    pub max_srq_wr: u64,
+    pub max_srq_sge: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanKind {
+    /// One SRQ shared by every connection.
+    Srq,
+    /// A receive ring per connection, connections capped by the budget.
+    PerConnection,
+    /// No connected mode: everything UD.
+    UdOnly,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    pub kind: PlanKind,
+    pub budget_bytes: u64,
+    /// Where the budget came from: "policy" or "auto (1/64 of N MiB)".
+    pub budget_source: String,
+    /// Bytes of one CM message (the receive buffer).
+    pub buffer_bytes: u64,
+    /// Memory one buffer takes (whole pages).
+    pub buffer_cost: u64,
+    /// The connection MTU this buffer allows (buffer - 4-byte IPoIB header).
+    pub cm_mtu: u64,
+    /// SRQ depth (Srq), or ring per connection (PerConnection), or 0.
+    pub ring: u64,
+    /// Most CM connections at once.
+    pub max_cm_peers: u64,
+    /// Receive memory the plan uses at `max_cm_peers` (never above the budget).
+    pub memory_bytes: u64,
+    /// Why, in a sentence.
+    pub why: String,
+}
+
+/// The budget rule; `policy_budget` wins when set.
+pub fn budget(system_memory: u64, policy_budget: Option<u64>) -> (u64, String) {
+    match policy_budget {
+        Some(b) => (b, "policy".into()),
+        None => (
+            (system_memory / 64).clamp(BUDGET_MIN, BUDGET_MAX),
+            format!(
+                "auto (1/64 of {} MiB, within 64 MiB..2 GiB)",
+                system_memory >> 20
+            ),
+        ),
+    }
+}
+
+fn pages(bytes: u64) -> u64 {
+    bytes.div_ceil(PAGE_SIZE) * PAGE_SIZE
+}
+
+fn pow2_floor(n: u64) -> u64 {
+    if n == 0 {
+        0
+    } else {
+        1 << (63 - n.leading_zeros())
+    }
+}
+
+pub fn plan(hca: &HcaLimits, system_memory: u64, policy_budget: Option<u64>) -> Plan {
+    let (budget_bytes, budget_source) = budget(system_memory, policy_budget);
+    let sges = if hca.max_srq > 0 {
+        hca.max_srq_sge.min(CM_BUF_SGES as u64)
+    } else {
+        CM_BUF_SGES as u64
+    };
+    let buffer_bytes = if sges >= CM_BUF_SGES as u64 {
+        CM_BUF_SIZE
+    } else {
+        (sges * PAGE_SIZE).saturating_sub(0x10)
+    };
+    let buffer_cost = pages(buffer_bytes).max(PAGE_SIZE);
+    let qps = hca.max_qp.saturating_sub(QP_RESERVE);
+    let mut p = Plan {
+        kind: PlanKind::UdOnly,
+        budget_bytes,
+        budget_source,
+        buffer_bytes,
+        buffer_cost,
+        cm_mtu: buffer_bytes.saturating_sub(4),
+        ring: 0,
+        max_cm_peers: 0,
+        memory_bytes: 0,
+        why: String::new(),
+    };
+    if qps == 0 || buffer_bytes <= 4 {
+        p.why = "the HCA has no RC queue pairs or receive SGEs to spare: UD only".into();
+        return p;
+    }
+    if hca.max_srq > 0 {
+        let fit = budget_bytes / buffer_cost;
+        let depth = pow2_floor(
+            fit.min(hca.max_srq_wr)
+                .min(hca.max_cqe.saturating_sub(1))
+                .min(MAX_SRQ_DEPTH),
+        );
+        if depth < MIN_SRQ_DEPTH {
+            p.why = format!(
+                "the budget holds {fit} buffers of {} KiB, fewer than the {MIN_SRQ_DEPTH} an SRQ needs: UD only",
+                buffer_cost >> 10
+            );
+            return p;
+        }
+        p.kind = PlanKind::Srq;
+        p.ring = depth;
+        p.max_cm_peers = qps;
+        p.memory_bytes = depth * buffer_cost;
+        p.why = format!(
+            "one SRQ of {depth} buffers shared by up to {qps} connections: memory does not grow with peers"
+        );
+    } else {
+        let ring = RING_PER_CONNECTION.min(hca.max_qp_wr);
+        let per_conn = ring * buffer_cost;
+        let k = (budget_bytes / per_conn.max(1)).min(qps);
+        if k == 0 || ring == 0 {
+            p.why = format!(
+                "no SRQ, and one connection's ring ({} MiB) does not fit the budget: UD only",
+                per_conn >> 20
+            );
+            return p;
+        }
+        p.kind = PlanKind::PerConnection;
+        p.ring = ring;
+        p.max_cm_peers = k;
+        p.memory_bytes = k * per_conn;
+        p.why = format!(
+            "no SRQ: a {ring}-buffer ring per connection ({} MiB), at most {k} CM peers; every other peer uses UD",
+            per_conn >> 20
+        );
+    }
+    p
+}
+
+/// The kernel's receive memory for `peers` CM peers (the comparison in `caps`).
+pub fn kernel_memory(peers: u64, srq: bool) -> u64 {
+    let ring = KERNEL_RECV_QUEUE_SIZE * pages(CM_BUF_SIZE);
+    if srq { ring } else { ring * peers }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    /// rdma_rxe's limits as ibv_devinfo printed them in the soft-RoCE VM.
+    fn rxe() -> HcaLimits {
+        HcaLimits {
+            max_qp: 1048560,
+            max_qp_wr: 1048576,
+            max_cqe: 32767,
+            max_srq: 917503,
+            max_srq_wr: 1048576,
+            max_srq_sge: 27,
+        }
+    }
+
+    fn no_srq() -> HcaLimits {
+        HcaLimits {
+            max_srq: 0,
+            max_srq_wr: 0,
+            max_srq_sge: 0,
+            ..rxe()
+        }
+    }
+
+    #[test]
+    fn budget_rule() {
+        assert_eq!(budget(24 * GIB, None).0, 384 * MIB);
+        assert_eq!(budget(GIB, None).0, 64 * MIB);
+        assert_eq!(budget(1024 * GIB, None).0, 2 * GIB);
+        assert_eq!(budget(24 * GIB, Some(100 * MIB)).0, 100 * MIB);
+    }
+
+    #[test]
+    fn srq_plan_is_bounded_and_independent_of_peers() {
+        let p = plan(&rxe(), 24 * GIB, None);
+        assert_eq!(p.kind, PlanKind::Srq);
+        assert_eq!(p.buffer_bytes, CM_BUF_SIZE);
+        assert_eq!(p.buffer_cost, 64 * 1024);
+        assert_eq!(p.ring, 4096); // 384 MiB / 64 KiB = 6144, floored to a power of two
+        assert_eq!(p.memory_bytes, 256 * MIB);
+        assert!(p.max_cm_peers >= 4096);
+        assert_eq!(p.cm_mtu, 65520);
+    }
+
+    #[test]
+    fn few_srq_sges_shrink_the_buffer_as_the_kernel_does() {
+        let hca = HcaLimits {
+            max_srq_sge: 4,
+            ..rxe()
+        };
+        let p = plan(&hca, 24 * GIB, None);
+        assert_eq!(p.buffer_bytes, 4 * 4096 - 0x10);
+        assert_eq!(p.buffer_cost, 16 * 1024);
+    }
+
+    #[test]
+    fn without_srq_peers_are_capped_by_the_budget() {
+        let p = plan(&no_srq(), 24 * GIB, None);
+        assert_eq!(p.kind, PlanKind::PerConnection);
+        assert_eq!(p.max_cm_peers, 96); // 384 MiB / 4 MiB
+        assert!(p.memory_bytes <= p.budget_bytes);
+        // 4096 peers: the kernel without SRQ needs 64 GiB; the plan stays in its budget.
+        assert_eq!(kernel_memory(4096, false), 64 * GIB);
+        assert!(p.memory_bytes <= 384 * MIB);
+    }
+
+    #[test]
+    fn tiny_budgets_fall_back_to_ud() {
+        let p = plan(&rxe(), 24 * GIB, Some(2 * MIB));
+        assert_eq!(p.kind, PlanKind::UdOnly);
+        assert_eq!(p.memory_bytes, 0);
+        let p = plan(&no_srq(), 24 * GIB, Some(2 * MIB));
+        assert_eq!(p.kind, PlanKind::UdOnly);
+        let hca = HcaLimits { max_qp: 4, ..rxe() };
+        assert_eq!(plan(&hca, 24 * GIB, None).kind, PlanKind::UdOnly);
+    }
+
+    /// The plan never exceeds its budget, for any HCA and budget on a grid.
+    #[test]
+    fn never_over_budget() {
+        for budget_mib in [16u64, 63, 64, 100, 384, 1000, 2048, 65536] {
+            for (max_srq, sge, wr, cqe, qp) in [
+                (0, 0, 0, 0, 0),
+                (1, 1, 1, 1, 9),
+                (1024, 16, 16384, 65536, 262144),
+                (1024, 2, 128, 100, 64),
+                (0, 0, 0, 0, 100000),
+                (0, 0, 16, 16, 20),
+            ] {
+                let hca = HcaLimits {
+                    max_qp: qp,
+                    max_qp_wr: wr.max(1),
+                    max_cqe: cqe,
+                    max_srq,
+                    max_srq_wr: wr,
+                    max_srq_sge: sge,
+                };
+                let p = plan(&hca, 24 * GIB, Some(budget_mib * MIB));
+                assert!(
+                    p.memory_bytes <= p.budget_bytes,
+                    "{hca:?} {budget_mib} MiB: {p:?}"
+                );
+                if p.kind == PlanKind::Srq {
+                    assert!(p.ring <= hca.max_srq_wr && p.ring < hca.max_cqe.max(1));
+                    assert!(p.ring.is_power_of_two());
+                }
+                if p.kind == PlanKind::PerConnection {
+                    assert!(p.max_cm_peers <= qp);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The only module that touches verbs.
+//!
+//! Discovery goes through ibverbs-sys (the bindings the ibverbs crate itself
+//! uses): the crate's safe `Context` queries port 1 only and refuses to open a device whose
+//! port is not active, while discovery must see every device and port as it is.
+
+use std::{ffi::CStr, io, ptr};
+
+use ibverbs_sys as ffi;
+use serde::Serialize;
+
+use crate::plan::HcaLimits;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VerbsError {
+    #[error("no RDMA devices: this kernel has no RDMA support (libibverbs: {0})")]
+    NoKernelSupport(io::Error),
+    #[error(
+        "no RDMA devices found (is an RDMA driver loaded? e.g. `modprobe rdma_rxe` and `rdma link add`)"
+    )]
+    NoDevices,
+    #[error("{device}: {what} failed: {source}")]
+    Query {
+        device: String,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PortCaps {
+    pub port: u8,
+    /// "active", "down", "init", "armed", ...
+    pub state: String,
+    /// Active MTU in bytes.
+    pub active_mtu: u32,
+    pub max_mtu: u32,
+    /// "InfiniBand" or "Ethernet".
+    pub link_layer: String,
+    pub lid: u16,
+    pub gid_table_len: u32,
+    /// Non-zero GIDs, as `fe80:0000:...` strings like ibv_devinfo prints them.
+    pub gids: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceCaps {
+    pub name: String,
+    pub fw_ver: String,
+    /// Node GUID as ibv_devinfo prints it (`xxxx:xxxx:xxxx:xxxx`).
+    pub node_guid: String,
+    pub max_qp: u64,
+    pub max_qp_wr: u64,
+    pub max_sge: u64,
+    pub max_cqe: u64,
+    pub max_srq: u64,
+    pub max_srq_wr: u64,
+    pub max_srq_sge: u64,
+    pub ports: Vec<PortCaps>,
+}
+
+impl DeviceCaps {
+    pub fn srq(&self) -> bool {
+        self.max_srq > 0
+    }
+
+    pub fn limits(&self) -> HcaLimits {
+        HcaLimits {
+            max_qp: self.max_qp,
+            max_qp_wr: self.max_qp_wr,
+            max_cqe: self.max_cqe,
+            max_srq: self.max_srq,
+            max_srq_wr: self.max_srq_wr,
+            max_srq_sge: self.max_srq_sge,
+        }
+    }
+}
+
+fn mtu_bytes(m: ffi::ibv_mtu) -> u32 {
+    match m {
+        1..=5 => 128 << m,
+        _ => 0,
+    }
+}
+
+fn port_state(s: ffi::ibv_port_state::Type) -> String {
+    match s {
+        0 => "nop",
+        1 => "down",
+        2 => "init",
+        3 => "armed",
+        4 => "active",
+        5 => "active_defer",
+        _ => "unknown",
+    }
+    .to_string()
+}
+
+fn gid_string(raw: &[u8; 16]) -> String {
+    raw.chunks(2)
+        .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// An open device context, closed on drop.
+struct OpenDevice(*mut ffi::ibv_context);
+
+impl Drop for OpenDevice {
+    fn drop(&mut self) {
+        // SAFETY: opened by ibv_open_device, closed once.
+        unsafe { ffi::ibv_close_device(self.0) };
+    }
+}
+
+/// The device list, freed on drop (after every context opened from it is closed).
+struct DeviceList(*mut *mut ffi::ibv_device, usize);
+
+impl Drop for DeviceList {
+    fn drop(&mut self) {
+        // SAFETY: returned by ibv_get_device_list, freed once.
+        unsafe { ffi::ibv_free_device_list(self.0) };
+    }
+}
+
+/// Every RDMA device and port, with what the memory plan and connection setup need.
+pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
+    let mut n = 0;
+    // SAFETY: n is a valid out pointer.
+    let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+    if list.is_null() {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ENOSYS) | Some(libc::ENOENT) | Some(libc::ENODEV) => {
+                VerbsError::NoKernelSupport(e)
+            }
+            _ => VerbsError::NoKernelSupport(e),
+        });
+    }
+    let list = DeviceList(list, n.max(0) as usize);
+    if list.1 == 0 {
+        return Err(VerbsError::NoDevices);
+    }
+    let mut out = Vec::with_capacity(list.1);
+    for i in 0..list.1 {
+        // SAFETY: i < n entries of the list.
+        let dev = unsafe { *list.0.add(i) };
+        // SAFETY: a device of the list; the name is a NUL-terminated string it owns.
+        let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }
+            .to_string_lossy()
+            .into_owned();
+        let q = |what, source| VerbsError::Query {
+            device: name.clone(),
+            what,
+            source,
+        };
+        // SAFETY: a device of the list.
+        let ctx = unsafe { ffi::ibv_open_device(dev) };
+        if ctx.is_null() {
+            return Err(q("ibv_open_device", io::Error::last_os_error()));
+        }
+        let ctx = OpenDevice(ctx);
+        let mut attr = ffi::ibv_device_attr::default();
+        // SAFETY: valid context and out pointer.
+        let rc = unsafe { ffi::ibv_query_device(ctx.0, &mut attr) };
+        if rc != 0 {
+            return Err(q("ibv_query_device", io::Error::from_raw_os_error(rc)));
+        }
+        // SAFETY: fw_ver is a NUL-terminated char array.
+        let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let guid = u64::from_be(attr.node_guid).to_be_bytes();
+        let node_guid = guid
+            .chunks(2)
+            .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
+            .collect::<Vec<_>>()
+            .join(":");
+        let mut ports = Vec::new();
+        for port in 1..=attr.phys_port_cnt {
+            let mut pa = ffi::ibv_port_attr::default();
+            // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
+            let rc = unsafe { ffi::ibv_query_port(ctx.0, port, ptr::addr_of_mut!(pa).cast()) };
+            if rc != 0 {
+                return Err(q("ibv_query_port", io::Error::from_raw_os_error(rc)));
+            }
+            let mut gids = Vec::new();
+            for idx in 0..pa.gid_tbl_len.max(0) {
+                let mut gid = ffi::ibv_gid { raw: [0; 16] };
+                // SAFETY: valid context, index within the table, out pointer.
+                if unsafe { ffi::ibv_query_gid(ctx.0, port, idx, &mut gid) } != 0 {
+                    continue;
+                }
+                // SAFETY: raw is the union's plain-bytes view.
+                let raw = unsafe { gid.raw };
+                if raw != [0; 16] {
+                    gids.push(gid_string(&raw));
+                }
+            }
+            ports.push(PortCaps {
+                port,
+                state: port_state(pa.state),
+                active_mtu: mtu_bytes(pa.active_mtu),
+                max_mtu: mtu_bytes(pa.max_mtu),
+                link_layer: match pa.link_layer as u32 {
+                    1 => "InfiniBand".into(),
+                    2 => "Ethernet".into(),
+                    0 => "InfiniBand".into(), // IBV_LINK_LAYER_UNSPECIFIED: IB by convention
+                    other => format!("unknown({other})"),
+                },
+                lid: pa.lid,
+                gid_table_len: pa.gid_tbl_len.max(0) as u32,
+                gids,
+            });
+        }
+        out.push(DeviceCaps {
+            name,
+            fw_ver,
+            node_guid,
+            max_qp: attr.max_qp.max(0) as u64,
+            max_qp_wr: attr.max_qp_wr.max(0) as u64,
+            max_sge: attr.max_sge.max(0) as u64,
+            max_cqe: attr.max_cqe.max(0) as u64,
+            max_srq: attr.max_srq.max(0) as u64,
+            max_srq_wr: attr.max_srq_wr.max(0) as u64,
+            max_srq_sge: attr.max_srq_sge.max(0) as u64,
+            ports,
+        });
+        drop(ctx);
+    }
+    Ok(out)
+}
+
+/// Total system memory in bytes (MemTotal), for the budget rule.
+pub fn system_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a kernel without RDMA (this host), discovery says so instead of returning nothing.
+    #[test]
+    fn no_rdma_is_an_error_not_an_empty_list() {
+        match discover() {
+            Ok(devs) => assert!(!devs.is_empty(), "an empty device list must be an error"),
+            Err(VerbsError::NoKernelSupport(_) | VerbsError::NoDevices) => {}
+            Err(e) => panic!("unexpected: {e}"),
+        }
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(mtu_bytes(3), 1024);
+        assert_eq!(mtu_bytes(5), 4096);
+        let mut g = [0u8; 16];
+        g[0] = 0xfe;
+        g[1] = 0x80;
+        g[15] = 1;
+        assert_eq!(gid_string(&g), "fe80:0000:0000:0000:0000:0000:0000:0001");
+    }
+}

@@ -1,0 +1,160 @@
+//! Discovery on real verbs: soft-RoCE (rdma_rxe) in the VM, compared with ibv_devinfo.
+//!
+//! This host's kernel has no RDMA support, so here the test skips, loudly; `cargo xtask
+//! vm-test` runs it on Debian's 6.1 kernel with IPOIB_REQUIRE_RDMA=1, where skipping fails.
+
+use std::{collections::HashMap, process::Command};
+
+use ipoib_tests::lab::ctl_path;
+
+fn required() -> bool {
+    std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
+}
+
+fn sh(args: &[&str]) -> std::process::Output {
+    Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect(args[0])
+}
+
+/// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
+fn rxe_device() -> Option<String> {
+    let caps = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
+    if caps.status.success() {
+        let v: serde_json::Value = serde_json::from_slice(&caps.stdout).ok()?;
+        return v["devices"][0]["device"]["name"]
+            .as_str()
+            .map(str::to_string);
+    }
+    if !sh(&["modprobe", "rdma_rxe"]).status.success() {
+        return None;
+    }
+    let _ = sh(&[
+        "ip", "link", "add", "rxev0", "type", "veth", "peer", "name", "rxev1",
+    ]);
+    sh(&["ip", "link", "set", "rxev0", "up"]);
+    sh(&["ip", "link", "set", "rxev1", "up"]);
+    let out = sh(&[
+        "rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "rxev0",
+    ]);
+    assert!(
+        out.status.success() || String::from_utf8_lossy(&out.stderr).contains("exist"),
+        "rdma link add: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The port goes active once the netdev is up.
+    for _ in 0..50 {
+        let d = sh(&["ibv_devinfo", "-d", "rxe0"]);
+        if String::from_utf8_lossy(&d.stdout).contains("PORT_ACTIVE") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Some("rxe0".into())
+}
+
+/// `key: value` lines of `ibv_devinfo -v`, device part and port 1 part.
+fn devinfo(dev: &str) -> (HashMap<String, String>, HashMap<String, String>) {
+    let out = sh(&["ibv_devinfo", "-v", "-d", dev]);
+    assert!(out.status.success(), "ibv_devinfo failed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (mut devm, mut portm) = (HashMap::new(), HashMap::new());
+    let mut in_port = false;
+    for line in text.lines() {
+        let Some((k, v)) = line.split_once(':') else {
+            continue;
+        };
+        let (k, v) = (k.trim().to_string(), v.trim().to_string());
+        if k == "port" {
+            in_port = true;
+            continue;
+        }
+        if in_port {
+            portm.entry(k).or_insert(v);
+        } else {
+            devm.entry(k).or_insert(v);
+        }
+    }
+    (devm, portm)
+}
+
+fn first_num(s: &str) -> u64 {
+    s.split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number in `{s}`"))
+}
+
+#[test]
+fn discovery_matches_ibv_devinfo() {
+    let Some(dev) = rxe_device() else {
+        assert!(
+            !required(),
+            "IPOIB_REQUIRE_RDMA=1 but no RDMA device could be made"
+        );
+        ipoib_tests::loud_skip(
+            "discovery_matches_ibv_devinfo",
+            "this kernel has no RDMA support (rdma_rxe cannot load); `cargo xtask vm-test` \
+             runs it on soft-RoCE",
+        );
+        return;
+    };
+    let out = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let caps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ours = caps["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["device"]["name"] == dev.as_str())
+        .expect("our device in caps")
+        .clone();
+    let (d, p) = devinfo(&dev);
+    for key in [
+        "max_qp",
+        "max_qp_wr",
+        "max_sge",
+        "max_cqe",
+        "max_srq",
+        "max_srq_wr",
+        "max_srq_sge",
+    ] {
+        assert_eq!(
+            ours["device"][key].as_u64().unwrap(),
+            first_num(&d[key]),
+            "{key}: caps vs ibv_devinfo"
+        );
+    }
+    assert_eq!(ours["device"]["fw_ver"], d["fw_ver"].as_str());
+    assert_eq!(ours["device"]["node_guid"], d["node_guid"].as_str());
+    let port = &ours["device"]["ports"][0];
+    assert_eq!(
+        port["active_mtu"].as_u64().unwrap(),
+        first_num(&p["active_mtu"])
+    );
+    assert_eq!(port["max_mtu"].as_u64().unwrap(), first_num(&p["max_mtu"]));
+    assert_eq!(port["link_layer"], p["link_layer"].as_str());
+    assert_eq!(
+        port["lid"].as_u64().unwrap(),
+        first_num(&p["port_lid"]),
+        "port_lid"
+    );
+    let state = p["state"].to_lowercase();
+    assert!(
+        state.contains(port["state"].as_str().unwrap()),
+        "state {state} vs {port}"
+    );
+    // soft-RoCE has an SRQ: the plan uses it and stays inside its budget.
+    let plan = &ours["plan"];
+    assert_eq!(plan["kind"], "srq");
+    assert!(plan["memory_bytes"].as_u64().unwrap() <= plan["budget_bytes"].as_u64().unwrap());
+    eprintln!(
+        "{dev}: discovery matches ibv_devinfo; plan: {}",
+        plan["why"]
+    );
+}
