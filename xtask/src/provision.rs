@@ -32,6 +32,15 @@ const BASE_PACKAGES: &[(&str, &str)] = &[
     ),
     ("iperf3", "a real bulk TCP flow in the lab"),
     ("iputils-ping", "ping in the lab and its tests"),
+    // ipoib-ctl's verbs module builds ibverbs-sys (cmake on its bundled rdma-core, bindgen)
+    // and links libibverbs.
+    ("libibverbs-dev", "ipoib-ctl links libibverbs (verbs discovery)"),
+    ("cmake", "ibverbs-sys builds its bundled rdma-core"),
+    ("pkg-config", "ibverbs-sys"),
+    ("libnl-3-dev", "ibverbs-sys"),
+    ("libnl-route-3-dev", "ibverbs-sys"),
+    ("libclang-dev", "bindgen in ibverbs-sys"),
+    ("clang", "bindgen in ibverbs-sys"),
 ];
 
 /// What the soft-RoCE VM needs on top.
@@ -44,14 +53,8 @@ const VM_PACKAGES: &[(&str, &str)] = &[
     ("rdma-core", "soft-RoCE (rxe) userspace"),
     ("ibverbs-providers", "the rxe verbs provider"),
     ("ibverbs-utils", "ibv_devinfo, to check discovery against"),
+    ("iproute2", "`rdma link add` creates the rxe device"),
     ("perftest", "ib_send_bw, the throughput baseline"),
-    ("libibverbs-dev", "the ibverbs crate links libibverbs"),
-    ("cmake", "ibverbs-sys builds its bundled rdma-core"),
-    ("pkg-config", "ibverbs-sys"),
-    ("libnl-3-dev", "ibverbs-sys"),
-    ("libnl-route-3-dev", "ibverbs-sys"),
-    ("libclang-dev", "bindgen in ibverbs-sys"),
-    ("clang", "bindgen in ibverbs-sys"),
     ("busybox-static", "a static init-time toolbox inside the VM"),
 ];
 
