@@ -34,7 +34,10 @@ const BASE_PACKAGES: &[(&str, &str)] = &[
     ("iputils-ping", "ping in the lab and its tests"),
     // ipoib-ctl's verbs module builds ibverbs-sys (cmake on its bundled rdma-core, bindgen)
     // and links libibverbs.
-    ("libibverbs-dev", "ipoib-ctl links libibverbs (verbs discovery)"),
+    (
+        "libibverbs-dev",
+        "ipoib-ctl links libibverbs (verbs discovery)",
+    ),
     ("cmake", "ibverbs-sys builds its bundled rdma-core"),
     ("pkg-config", "ibverbs-sys"),
     ("libnl-3-dev", "ibverbs-sys"),
