@@ -58,40 +58,25 @@ impl Datapath {
                 None
             }
         };
+        let loaded = |name| move |source| DatapathError::Program { name, source };
         let name = prog_names::EGRESS;
-        let egress: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .and_then(|p| p.try_into().ok())
-            .ok_or(DatapathError::MissingProgram { name })?;
-        egress
+        program::<SchedClassifier>(&mut ebpf, name)?
             .load()
-            .map_err(|source| DatapathError::Program { name, source })?;
+            .map_err(loaded(name))?;
         let name = prog_names::INGRESS;
-        let ingress: &mut Xdp = ebpf
-            .program_mut(name)
-            .and_then(|p| p.try_into().ok())
-            .ok_or(DatapathError::MissingProgram { name })?;
-        ingress
+        program::<Xdp>(&mut ebpf, name)?
             .load()
-            .map_err(|source| DatapathError::Program { name, source })?;
+            .map_err(loaded(name))?;
         let maps = DatapathMaps::take(&mut ebpf, pin_dir)?;
         Ok(Self { ebpf, logger, maps })
     }
 
     pub fn egress(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
-        let name = prog_names::EGRESS;
-        self.ebpf
-            .program_mut(name)
-            .and_then(|p| p.try_into().ok())
-            .ok_or(DatapathError::MissingProgram { name })
+        program(&mut self.ebpf, prog_names::EGRESS)
     }
 
     pub fn ingress(&mut self) -> Result<&mut Xdp, DatapathError> {
-        let name = prog_names::INGRESS;
-        self.ebpf
-            .program_mut(name)
-            .and_then(|p| p.try_into().ok())
-            .ok_or(DatapathError::MissingProgram { name })
+        program(&mut self.ebpf, prog_names::INGRESS)
     }
 
     /// Forwards what the programs logged to `log` (off the hot path: call it from the loop).
@@ -100,6 +85,16 @@ impl Datapath {
             l.flush();
         }
     }
+}
+
+/// The program `name` of the object, as its type `T`.
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, DatapathError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program>,
+{
+    ebpf.program_mut(name)
+        .and_then(|p| p.try_into().ok())
+        .ok_or(DatapathError::MissingProgram { name })
 }
 
 /// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; newer ones ignore it.

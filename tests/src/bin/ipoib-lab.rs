@@ -70,6 +70,17 @@ fn demo(args: &Args) -> Result<()> {
         "No IPoIB interface here: building the two-node lab (two network namespaces, a veth pair)."
     );
     let mut lab = Lab::new("demo", true).context("building the lab")?;
+    let result = run_demo(&mut lab, args);
+    if STOP.load(Ordering::SeqCst) {
+        println!("\ninterrupted");
+    }
+    // However the demo ended (done, Ctrl-C, an error), nothing stays behind.
+    println!("tearing the lab down (namespaces, links, pins)");
+    lab.teardown();
+    result
+}
+
+fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
     lab.attach(Which::A, &[])?;
     lab.attach(Which::B, &[])?;
     let (a, b) = (lab.a.clone(), lab.b.clone());
@@ -158,8 +169,6 @@ fn demo(args: &Args) -> Result<()> {
             .collect();
         println!("{}", serde_json::to_string_pretty(&both)?);
     }
-    println!("\ntearing the lab down (namespaces, links, pins)");
-    lab.teardown();
     Ok(())
 }
 
