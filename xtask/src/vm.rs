@@ -115,9 +115,18 @@ pub fn test(root: &Path, only: &[String]) -> Result<()> {
         .args(["--cpus", "2", "--memory", "2G", "--exec", &script])
         .current_dir(root)
         .stdin(Stdio::null())
+        // Both piped, never inherited: vng/qemu reopen a file behind their output with
+        // O_TRUNC, which wiped everything before the VM run from a CI log (seen here).
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .context("starting vng (cargo xtask provision --vm installs virtme-ng)")?;
+    let stderr = child.stderr.take().expect("stderr");
+    let forward = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[vm] {line}");
+        }
+    });
     let mut booted = false;
     for line in BufReader::new(child.stdout.take().expect("stdout")).lines() {
         let line = line?;
@@ -125,6 +134,7 @@ pub fn test(root: &Path, only: &[String]) -> Result<()> {
         println!("[vm] {line}");
     }
     let status = child.wait()?;
+    let _ = forward.join();
     if !booted {
         bail!("the VM did not boot or ran nothing ({status})");
     }
