@@ -158,3 +158,73 @@ fn discovery_matches_ibv_devinfo() {
         plan["why"]
     );
 }
+
+/// `rdma resource show` counts for `dev` (pd, cq, qp, mr, srq, ...).
+fn rdma_resources(dev: &str) -> HashMap<String, u64> {
+    let out = sh(&["rdma", "resource", "show"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("{dev}:")))
+        .unwrap_or_else(|| panic!("no {dev} in rdma resource show: {text}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    words
+        .windows(2)
+        .filter_map(|w| Some((w[0].to_string(), w[1].parse::<u64>().ok()?)))
+        .collect()
+}
+
+/// An SRQ sized by the memory plan: every buffer posted, the limit event armed, and after
+/// teardown the kernel holds no PD, MR or SRQ of ours (counted).
+#[test]
+fn srq_from_the_plan_is_filled_and_freed() {
+    use ipoib_ctl::{
+        plan,
+        verbs::{Device, SharedReceiveQueue, discover},
+    };
+    let Some(dev) = rxe_device() else {
+        assert!(
+            !required(),
+            "IPOIB_REQUIRE_RDMA=1 but no RDMA device could be made"
+        );
+        ipoib_tests::loud_skip(
+            "srq_from_the_plan_is_filled_and_freed",
+            "this kernel has no RDMA support; `cargo xtask vm-test` runs it on soft-RoCE",
+        );
+        return;
+    };
+    let caps = discover().unwrap();
+    let hca = caps.iter().find(|d| d.name == dev).unwrap();
+    let p = plan::plan(&hca.limits(), 2 << 30, Some(64 << 20));
+    assert_eq!(p.kind, plan::PlanKind::Srq);
+    let depth = p.ring as u32;
+    assert_eq!(depth, 1024, "64 MiB of 64 KiB buffers");
+    let before = rdma_resources(&dev);
+    {
+        let d = Device::open(&dev).unwrap();
+        let pd = d.alloc_pd().unwrap();
+        let srq =
+            SharedReceiveQueue::create(&pd, depth, p.buffer_bytes as u32, p.buffer_cost).unwrap();
+        assert_eq!(srq.posted, depth);
+        let attr = srq.query().unwrap();
+        assert!(attr.max_wr >= depth, "{attr:?}");
+        assert_eq!(attr.srq_limit, depth / 4, "{attr:?}");
+        let during = rdma_resources(&dev);
+        for key in ["pd", "mr", "srq"] {
+            assert_eq!(
+                during.get(key).copied().unwrap_or(0),
+                before.get(key).copied().unwrap_or(0) + 1,
+                "{key} while the SRQ exists: {during:?}"
+            );
+        }
+        eprintln!(
+            "{dev}: SRQ of {depth} x {} B posted; {attr:?}; {during:?}",
+            p.buffer_bytes
+        );
+    }
+    assert_eq!(
+        rdma_resources(&dev),
+        before,
+        "resources left after teardown"
+    );
+}
