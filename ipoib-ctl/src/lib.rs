@@ -13,5 +13,6 @@ pub mod maps;
 pub mod netdev;
 pub mod plan;
 pub mod policy;
+pub mod signals;
 pub mod status;
 pub mod verbs;

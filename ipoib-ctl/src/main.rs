@@ -1,13 +1,6 @@
 //! `ipoib-ctl`: attach the IPoIB hybrid datapath to an interface, steer it, inspect it.
 
-use std::{
-    fs::File,
-    os::fd::AsRawFd as _,
-    path::PathBuf,
-    process::ExitCode,
-    sync::atomic::{AtomicBool, Ordering},
-    time::Duration,
-};
+use std::{fs::File, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
@@ -16,7 +9,7 @@ use ipoib_ctl::{
     clock::monotonic_ns,
     netdev::Netdev,
     policy::PolicyChange,
-    status,
+    signals, status,
 };
 
 /// Exit codes scripts can rely on.
@@ -119,19 +112,6 @@ enum Cmd {
     },
 }
 
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
-    }
-}
-
 /// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.
 fn lock_iface(iface: &str) -> Result<File> {
     std::fs::create_dir_all(attach::RUN_DIR)?;
@@ -184,9 +164,9 @@ fn control_loop(iface: &str, dev: &Netdev, change: Option<&PolicyChange>) -> Res
         att.state.egress,
         att.state.xdp_mode
     );
-    install_signal_handlers();
+    signals::stop_on_sigint_sigterm();
     let mut detached = false;
-    while !STOP.load(Ordering::SeqCst) {
+    while !signals::stop_requested() {
         if !attach::is_attached(iface) {
             detached = true;
             break;
@@ -205,7 +185,7 @@ fn control_loop(iface: &str, dev: &Netdev, change: Option<&PolicyChange>) -> Res
             .clamp(Duration::from_millis(20), Duration::from_secs(1));
         let step = Duration::from_millis(20);
         let mut slept = Duration::ZERO;
-        while slept < interval && !STOP.load(Ordering::SeqCst) {
+        while slept < interval && !signals::stop_requested() {
             std::thread::sleep(step);
             slept += step;
         }

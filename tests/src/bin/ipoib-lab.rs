@@ -3,14 +3,19 @@
 
 use std::{
     process::{Command, ExitCode, Stdio},
-    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use ipoib_common::{ARPHRD_INFINIBAND, PeerEntry, PeerKey, peer_mode};
-use ipoib_ctl::{attach::pin_dir, maps::DatapathMaps, netdev::Netdev, status};
+use ipoib_ctl::{
+    attach::pin_dir,
+    maps::DatapathMaps,
+    netdev::Netdev,
+    signals::{self, stop_requested},
+    status,
+};
 use ipoib_tests::lab::{Lab, Node, Which, ctl_path, lab_unavailable, ping_summary};
 
 #[derive(Parser)]
@@ -25,12 +30,6 @@ struct Args {
     /// Print the final status of both lab nodes as JSON.
     #[arg(long)]
     json: bool,
-}
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
 }
 
 fn ipoib_interfaces() -> Vec<String> {
@@ -57,7 +56,7 @@ fn show(title: &str, n: &Node) {
 
 fn sleep_unless_stopped(d: Duration) {
     let end = Instant::now() + d;
-    while Instant::now() < end && !STOP.load(Ordering::SeqCst) {
+    while Instant::now() < end && !stop_requested() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -71,7 +70,7 @@ fn demo(args: &Args) -> Result<()> {
     );
     let mut lab = Lab::new("demo", true).context("building the lab")?;
     let result = run_demo(&mut lab, args);
-    if STOP.load(Ordering::SeqCst) {
+    if stop_requested() {
         println!("\ninterrupted");
     }
     // However the demo ended (done, Ctrl-C, an error), nothing stays behind.
@@ -99,7 +98,7 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
         "ping {} -> {}: {got}/{sent} replies (small packets: UD)",
         a.ip4, b.ip4
     );
-    if STOP.load(Ordering::SeqCst) {
+    if stop_requested() {
         return Ok(());
     }
 
@@ -146,7 +145,7 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
         .stdout(Stdio::piped())
         .spawn()?;
     let start = Instant::now();
-    while client.try_wait()?.is_none() && !STOP.load(Ordering::SeqCst) {
+    while client.try_wait()?.is_none() && !stop_requested() {
         sleep_unless_stopped(Duration::from_secs(2));
         println!("=== {:.0} s", start.elapsed().as_secs_f64());
         show("node A", &a);
@@ -174,10 +173,7 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic.
-        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
-    }
+    signals::stop_on_sigint_sigterm();
     let ifaces = if args.lab {
         Vec::new()
     } else {
