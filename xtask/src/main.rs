@@ -180,7 +180,6 @@ fn run(root: &Path, duration: u32, json: bool) -> Result<()> {
         bail!("cargo xtask run needs root: it loads eBPF programs and builds network namespaces");
     }
     provision::run(provision::Scope::default())?;
-    provision::ensure_bpffs()?;
     cargo(root)
         .args([
             "build",
@@ -202,7 +201,6 @@ fn run(root: &Path, duration: u32, json: bool) -> Result<()> {
 
 fn test(root: &Path, args: &[String]) -> Result<()> {
     provision::run(provision::Scope::default())?;
-    provision::ensure_bpffs()?;
     println!("==> cargo fmt --check");
     cargo(root)
         .args(["fmt", "--all", "--check"])

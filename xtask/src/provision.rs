@@ -244,25 +244,3 @@ fn virtme_ng(did: &mut Vec<String>) -> Result<()> {
     did.push("virtme-ng".into());
     Ok(())
 }
-
-/// Mounts bpffs at /sys/fs/bpf when it is missing (a fresh machine here has none).
-pub fn ensure_bpffs() -> Result<()> {
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    if mounts
-        .lines()
-        .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf "))
-    {
-        return Ok(());
-    }
-    if !is_root() {
-        println!(
-            "provision: bpffs is not mounted at /sys/fs/bpf and we are not root: pin tests will skip"
-        );
-        return Ok(());
-    }
-    println!("provision: mounting bpffs at /sys/fs/bpf (pins live there)");
-    std::fs::create_dir_all("/sys/fs/bpf").ok();
-    Command::new("mount")
-        .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
-        .status_ok("mount -t bpf")
-}
