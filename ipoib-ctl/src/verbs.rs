@@ -104,16 +104,6 @@ fn gid_string(raw: &[u8; 16]) -> String {
         .join(":")
 }
 
-/// An open device context, closed on drop.
-struct OpenDevice(*mut ffi::ibv_context);
-
-impl Drop for OpenDevice {
-    fn drop(&mut self) {
-        // SAFETY: opened by ibv_open_device, closed once.
-        unsafe { ffi::ibv_close_device(self.0) };
-    }
-}
-
 /// The device list, freed on drop (after every context opened from it is closed).
 struct DeviceList(*mut *mut ffi::ibv_device, usize);
 
@@ -124,46 +114,46 @@ impl Drop for DeviceList {
     }
 }
 
+impl DeviceList {
+    /// The kernel's RDMA devices; a kernel without RDMA support is an error.
+    fn get() -> Result<Self, VerbsError> {
+        let mut n = 0;
+        // SAFETY: n is a valid out pointer.
+        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+        if list.is_null() {
+            return Err(VerbsError::NoKernelSupport(io::Error::last_os_error()));
+        }
+        Ok(Self(list, n.max(0) as usize))
+    }
+
+    /// Each device with its name.
+    fn iter(&self) -> impl Iterator<Item = (*mut ffi::ibv_device, String)> + '_ {
+        (0..self.1).map(|i| {
+            // SAFETY: i < n entries of the list.
+            let dev = unsafe { *self.0.add(i) };
+            // SAFETY: a device of the list; the name is a NUL-terminated string it owns.
+            let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }
+                .to_string_lossy()
+                .into_owned();
+            (dev, name)
+        })
+    }
+}
+
 /// Every RDMA device and port, with what the memory plan and connection setup need.
 pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
-    let mut n = 0;
-    // SAFETY: n is a valid out pointer.
-    let list = unsafe { ffi::ibv_get_device_list(&mut n) };
-    if list.is_null() {
-        let e = io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENOSYS) | Some(libc::ENOENT) | Some(libc::ENODEV) => {
-                VerbsError::NoKernelSupport(e)
-            }
-            _ => VerbsError::NoKernelSupport(e),
-        });
-    }
-    let list = DeviceList(list, n.max(0) as usize);
+    let list = DeviceList::get()?;
     if list.1 == 0 {
         return Err(VerbsError::NoDevices);
     }
     let mut out = Vec::with_capacity(list.1);
-    for i in 0..list.1 {
-        // SAFETY: i < n entries of the list.
-        let dev = unsafe { *list.0.add(i) };
-        // SAFETY: a device of the list; the name is a NUL-terminated string it owns.
-        let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }
-            .to_string_lossy()
-            .into_owned();
-        let q = |what, source| VerbsError::Query {
-            device: name.clone(),
-            what,
-            source,
-        };
-        // SAFETY: a device of the list.
-        let ctx = unsafe { ffi::ibv_open_device(dev) };
-        if ctx.is_null() {
-            return Err(q("ibv_open_device", io::Error::last_os_error()));
-        }
-        let ctx = OpenDevice(ctx);
+    for (dev, name) in list.iter() {
+        let ctx = Device::open_raw(dev, name)?;
+        let name = ctx.name.clone();
+        let q = |what, source| ctx.err(what, source);
         let mut attr = ffi::ibv_device_attr::default();
         // SAFETY: valid context and out pointer.
-        let rc = unsafe { ffi::ibv_query_device(ctx.0, &mut attr) };
+        let rc = unsafe { ffi::ibv_query_device(ctx.ctx, &mut attr) };
         if rc != 0 {
             return Err(q("ibv_query_device", io::Error::from_raw_os_error(rc)));
         }
@@ -181,7 +171,7 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
         for port in 1..=attr.phys_port_cnt {
             let mut pa = ffi::ibv_port_attr::default();
             // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
-            let rc = unsafe { ffi::ibv_query_port(ctx.0, port, ptr::addr_of_mut!(pa).cast()) };
+            let rc = unsafe { ffi::ibv_query_port(ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
             if rc != 0 {
                 return Err(q("ibv_query_port", io::Error::from_raw_os_error(rc)));
             }
@@ -189,7 +179,7 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
             for idx in 0..pa.gid_tbl_len.max(0) {
                 let mut gid = ffi::ibv_gid { raw: [0; 16] };
                 // SAFETY: valid context, index within the table, out pointer.
-                if unsafe { ffi::ibv_query_gid(ctx.0, port, idx, &mut gid) } != 0 {
+                if unsafe { ffi::ibv_query_gid(ctx.ctx, port, idx, &mut gid) } != 0 {
                     continue;
                 }
                 // SAFETY: raw is the union's plain-bytes view.
@@ -288,36 +278,27 @@ impl Drop for Device {
 impl Device {
     /// Opens the device called `name`.
     pub fn open(name: &str) -> Result<Self, VerbsError> {
-        let mut n = 0;
-        // SAFETY: n is a valid out pointer.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
-        if list.is_null() {
-            return Err(VerbsError::NoKernelSupport(io::Error::last_os_error()));
+        let list = DeviceList::get()?;
+        let (dev, name) = list
+            .iter()
+            .find(|(_, n)| n == name)
+            .ok_or(VerbsError::NoDevices)?;
+        // The context outlives the list: rdma-core keeps a device alive while a context of
+        // it is open.
+        Self::open_raw(dev, name)
+    }
+
+    fn open_raw(dev: *mut ffi::ibv_device, name: String) -> Result<Self, VerbsError> {
+        // SAFETY: a device of a live device list.
+        let ctx = unsafe { ffi::ibv_open_device(dev) };
+        if ctx.is_null() {
+            return Err(VerbsError::Query {
+                device: name,
+                what: "ibv_open_device",
+                source: io::Error::last_os_error(),
+            });
         }
-        let list = DeviceList(list, n.max(0) as usize);
-        for i in 0..list.1 {
-            // SAFETY: i < n entries of the list.
-            let dev = unsafe { *list.0.add(i) };
-            // SAFETY: a device of the list.
-            let dev_name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) };
-            if dev_name.to_bytes() == name.as_bytes() {
-                // SAFETY: a device of the list. The context outlives the list (rdma-core
-                // keeps a device alive while a context of it is open).
-                let ctx = unsafe { ffi::ibv_open_device(dev) };
-                if ctx.is_null() {
-                    return Err(VerbsError::Query {
-                        device: name.into(),
-                        what: "ibv_open_device",
-                        source: io::Error::last_os_error(),
-                    });
-                }
-                return Ok(Self {
-                    ctx,
-                    name: name.into(),
-                });
-            }
-        }
-        Err(VerbsError::NoDevices)
+        Ok(Self { ctx, name })
     }
 
     fn err(&self, what: &'static str, source: io::Error) -> VerbsError {
