@@ -376,12 +376,7 @@ fn pins_after(maps: &DatapathMaps, change: &PolicyChange) -> Result<Vec<(std::ne
 fn apply_peer_pins(maps: &mut DatapathMaps, change: &PolicyChange) -> Result<()> {
     for (ip, pin) in &change.peers {
         let key = ipoib_common::PeerKey::from(*ip);
-        let mut entry = maps
-            .peers()?
-            .into_iter()
-            .find(|(k, _)| *k == key)
-            .map(|(_, e)| e)
-            .unwrap_or_default();
+        let mut entry = maps.peer(&key)?.unwrap_or_default();
         entry.pin = pin.raw();
         maps.set_peer(key, entry)?;
     }

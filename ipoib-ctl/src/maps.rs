@@ -46,11 +46,16 @@ pub struct DatapathMaps {
     pub reasons: PerCpuArray<MapData, Counter>,
 }
 
+/// Maps an error of the map `name` into ours.
+fn in_map(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
+    move |source| MapsError::Map { name, source }
+}
+
 fn typed<T>(name: &'static str, map: Map) -> Result<T>
 where
     T: TryFrom<Map, Error = MapError>,
 {
-    T::try_from(map).map_err(|source| MapsError::Map { name, source })
+    T::try_from(map).map_err(in_map(name))
 }
 
 impl DatapathMaps {
@@ -93,26 +98,19 @@ impl DatapathMaps {
     }
 
     pub fn policy(&self) -> Result<Policy> {
-        self.policy.get(&0, 0).map_err(|source| MapsError::Map {
-            name: map_names::POLICY,
-            source,
-        })
+        self.policy.get(&0, 0).map_err(in_map(map_names::POLICY))
     }
 
     pub fn set_policy(&mut self, policy: &Policy) -> Result<()> {
         self.policy
             .set(0, policy, 0)
-            .map_err(|source| MapsError::Map {
-                name: map_names::POLICY,
-                source,
-            })
+            .map_err(in_map(map_names::POLICY))
     }
 
     pub fn heartbeat(&self) -> Result<Heartbeat> {
-        self.heartbeat.get(&0, 0).map_err(|source| MapsError::Map {
-            name: map_names::HEARTBEAT,
-            source,
-        })
+        self.heartbeat
+            .get(&0, 0)
+            .map_err(in_map(map_names::HEARTBEAT))
     }
 
     /// Stamps the heartbeat the fast path's fail-safe reads.
@@ -124,19 +122,22 @@ impl DatapathMaps {
         };
         self.heartbeat
             .set(0, hb, 0)
-            .map_err(|source| MapsError::Map {
-                name: map_names::HEARTBEAT,
-                source,
-            })
+            .map_err(in_map(map_names::HEARTBEAT))
     }
 
     pub fn set_peer(&mut self, key: PeerKey, entry: PeerEntry) -> Result<()> {
         self.peers
             .insert(key, entry, 0)
-            .map_err(|source| MapsError::Map {
-                name: map_names::PEERS,
-                source,
-            })
+            .map_err(in_map(map_names::PEERS))
+    }
+
+    /// One peer's entry; `None` when the control plane has none for it.
+    pub fn peer(&self, key: &PeerKey) -> Result<Option<PeerEntry>> {
+        match self.peers.get(key, 0) {
+            Ok(e) => Ok(Some(e)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(in_map(map_names::PEERS)(e)),
+        }
     }
 
     /// Removes a peer's entry; a peer that has none is not an error.
@@ -144,10 +145,7 @@ impl DatapathMaps {
         match self.peers.remove(key) {
             Ok(()) => Ok(()),
             Err(MapError::KeyNotFound) => Ok(()),
-            Err(source) => Err(MapsError::Map {
-                name: map_names::PEERS,
-                source,
-            }),
+            Err(e) => Err(in_map(map_names::PEERS)(e)),
         }
     }
 
@@ -155,10 +153,7 @@ impl DatapathMaps {
         self.peers
             .iter()
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|source| MapsError::Map {
-                name: map_names::PEERS,
-                source,
-            })
+            .map_err(in_map(map_names::PEERS))
     }
 
     /// One peer's traffic, summed over CPUs; `None` when the fast path has not seen it.
@@ -166,10 +161,7 @@ impl DatapathMaps {
         match self.traffic.get(key, 0) {
             Ok(per_cpu) => Ok(Some(sum_traffic(&per_cpu))),
             Err(MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(MapsError::Map {
-                name: map_names::TRAFFIC,
-                source,
-            }),
+            Err(e) => Err(in_map(map_names::TRAFFIC)(e)),
         }
     }
 
@@ -179,10 +171,7 @@ impl DatapathMaps {
             .iter()
             .map(|r| r.map(|(k, v)| (k, sum_traffic(&v))))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|source| MapsError::Map {
-                name: map_names::TRAFFIC,
-                source,
-            })
+            .map_err(in_map(map_names::TRAFFIC))
     }
 
     /// Packets and bytes per reason, summed over CPUs, in `Reason::ALL` order.
@@ -190,13 +179,10 @@ impl DatapathMaps {
         Reason::ALL
             .iter()
             .map(|&r| {
-                let per_cpu =
-                    self.reasons
-                        .get(&(r as u32), 0)
-                        .map_err(|source| MapsError::Map {
-                            name: map_names::REASONS,
-                            source,
-                        })?;
+                let per_cpu = self
+                    .reasons
+                    .get(&(r as u32), 0)
+                    .map_err(in_map(map_names::REASONS))?;
                 let mut sum = Counter::default();
                 for c in per_cpu.iter() {
                     sum.packets += c.packets;
