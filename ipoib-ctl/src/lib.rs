@@ -4,10 +4,12 @@
 //! maps with the shared types of `ipoib-common`, [`attach`] attaches, adopts and detaches
 //! (pins), [`netdev`] asks the kernel about interfaces, [`policy`] parses and validates policy
 //! changes (pure), [`status`] gathers and renders what the datapath reports, [`clock`] is the
-//! clock both sides share.
+//! clock both sides share, [`verbs`] is the only module that touches verbs and [`cm`] sets up
+//! RC connections with the handshake over the IP path.
 
 pub mod attach;
 pub mod clock;
+pub mod cm;
 pub mod datapath;
 pub mod maps;
 pub mod netdev;

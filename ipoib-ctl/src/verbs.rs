@@ -11,6 +11,9 @@ use serde::Serialize;
 
 use crate::plan::HcaLimits;
 
+mod resources;
+pub use resources::*;
+
 #[derive(Debug, thiserror::Error)]
 pub enum VerbsError {
     #[error("no RDMA devices: this kernel has no RDMA support (libibverbs: {0})")]
@@ -149,11 +152,11 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
     let mut out = Vec::with_capacity(list.1);
     for (dev, name) in list.iter() {
         let ctx = Device::open_raw(dev, name)?;
-        let name = ctx.name.clone();
+        let name = ctx.name().to_string();
         let q = |what, source| ctx.err(what, source);
         let mut attr = ffi::ibv_device_attr::default();
         // SAFETY: valid context and out pointer.
-        let rc = unsafe { ffi::ibv_query_device(ctx.ctx, &mut attr) };
+        let rc = unsafe { ffi::ibv_query_device(ctx.raw(), &mut attr) };
         if rc != 0 {
             return Err(q("ibv_query_device", io::Error::from_raw_os_error(rc)));
         }
@@ -171,7 +174,7 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
         for port in 1..=attr.phys_port_cnt {
             let mut pa = ffi::ibv_port_attr::default();
             // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
-            let rc = unsafe { ffi::ibv_query_port(ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
+            let rc = unsafe { ffi::ibv_query_port(ctx.raw(), port, ptr::addr_of_mut!(pa).cast()) };
             if rc != 0 {
                 return Err(q("ibv_query_port", io::Error::from_raw_os_error(rc)));
             }
@@ -179,7 +182,7 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
             for idx in 0..pa.gid_tbl_len.max(0) {
                 let mut gid = ffi::ibv_gid { raw: [0; 16] };
                 // SAFETY: valid context, index within the table, out pointer.
-                if unsafe { ffi::ibv_query_gid(ctx.ctx, port, idx, &mut gid) } != 0 {
+                if unsafe { ffi::ibv_query_gid(ctx.raw(), port, idx, &mut gid) } != 0 {
                     continue;
                 }
                 // SAFETY: raw is the union's plain-bytes view.
@@ -258,282 +261,5 @@ mod tests {
         g[1] = 0x80;
         g[15] = 1;
         assert_eq!(gid_string(&g), "fe80:0000:0000:0000:0000:0000:0000:0001");
-    }
-}
-
-/// An open device context.
-pub struct Device {
-    ctx: *mut ffi::ibv_context,
-    pub name: String,
-}
-
-impl Drop for Device {
-    fn drop(&mut self) {
-        // SAFETY: opened by ibv_open_device, closed once, after everything made from it (the
-        // borrows of PD and SRQ end first).
-        unsafe { ffi::ibv_close_device(self.ctx) };
-    }
-}
-
-impl Device {
-    /// Opens the device called `name`.
-    pub fn open(name: &str) -> Result<Self, VerbsError> {
-        let list = DeviceList::get()?;
-        let (dev, name) = list
-            .iter()
-            .find(|(_, n)| n == name)
-            .ok_or(VerbsError::NoDevices)?;
-        // The context outlives the list: rdma-core keeps a device alive while a context of
-        // it is open.
-        Self::open_raw(dev, name)
-    }
-
-    fn open_raw(dev: *mut ffi::ibv_device, name: String) -> Result<Self, VerbsError> {
-        // SAFETY: a device of a live device list.
-        let ctx = unsafe { ffi::ibv_open_device(dev) };
-        if ctx.is_null() {
-            return Err(VerbsError::Query {
-                device: name,
-                what: "ibv_open_device",
-                source: io::Error::last_os_error(),
-            });
-        }
-        Ok(Self { ctx, name })
-    }
-
-    fn err(&self, what: &'static str, source: io::Error) -> VerbsError {
-        VerbsError::Query {
-            device: self.name.clone(),
-            what,
-            source,
-        }
-    }
-
-    pub fn alloc_pd(&self) -> Result<ProtectionDomain<'_>, VerbsError> {
-        // SAFETY: valid context.
-        let pd = unsafe { ffi::ibv_alloc_pd(self.ctx) };
-        if pd.is_null() {
-            return Err(self.err("ibv_alloc_pd", io::Error::last_os_error()));
-        }
-        Ok(ProtectionDomain { pd, dev: self })
-    }
-}
-
-pub struct ProtectionDomain<'d> {
-    pd: *mut ffi::ibv_pd,
-    dev: &'d Device,
-}
-
-impl Drop for ProtectionDomain<'_> {
-    fn drop(&mut self) {
-        // SAFETY: allocated by ibv_alloc_pd; every MR and SRQ of it borrowed it and is gone.
-        unsafe { ffi::ibv_dealloc_pd(self.pd) };
-    }
-}
-
-/// Page-aligned memory for receive buffers.
-struct Buffers {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl Drop for Buffers {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
-}
-
-/// A shared receive queue with its buffers registered once and every one of them posted.
-/// Dropped in order: SRQ, then the memory region, then the memory.
-pub struct SharedReceiveQueue<'p> {
-    srq: *mut ffi::ibv_srq,
-    mr: *mut ffi::ibv_mr,
-    buffers: Buffers,
-    pub depth: u32,
-    pub buffer_bytes: u32,
-    /// Bytes between buffers (whole pages).
-    pub stride: u64,
-    pub posted: u32,
-    _pd: &'p ProtectionDomain<'p>,
-}
-
-impl Drop for SharedReceiveQueue<'_> {
-    fn drop(&mut self) {
-        // SAFETY: created here, destroyed once, SRQ before the MR its receives point into.
-        unsafe {
-            ffi::ibv_destroy_srq(self.srq);
-            ffi::ibv_dereg_mr(self.mr);
-        }
-    }
-}
-
-/// What the HCA reports for an SRQ.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct SrqAttr {
-    pub max_wr: u32,
-    pub max_sge: u32,
-    pub srq_limit: u32,
-}
-
-impl<'p> SharedReceiveQueue<'p> {
-    /// An SRQ of `depth` receives of `buffer_bytes` each, `stride` apart in one registered
-    /// region (one SGE per receive: the region is contiguous). The limit event is armed at a
-    /// quarter of the depth, for refilling before starvation.
-    pub fn create(
-        pd: &'p ProtectionDomain<'p>,
-        depth: u32,
-        buffer_bytes: u32,
-        stride: u64,
-    ) -> Result<Self, VerbsError> {
-        let dev = pd.dev;
-        let invalid = |what| dev.err(what, io::Error::from(io::ErrorKind::InvalidInput));
-        if depth == 0 || buffer_bytes == 0 || stride < buffer_bytes as u64 {
-            return Err(invalid("SRQ sizing"));
-        }
-        let len = (depth as u64 * stride) as usize;
-        let layout =
-            std::alloc::Layout::from_size_align(len, 4096).map_err(|_| invalid("buffer layout"))?;
-        // SAFETY: non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(dev.err(
-                "allocating receive buffers",
-                io::Error::from(io::ErrorKind::OutOfMemory),
-            ));
-        }
-        let buffers = Buffers { ptr, layout };
-        // SAFETY: the region is valid for len bytes and lives as long as the MR (dropped after).
-        let mr = unsafe {
-            ffi::ibv_reg_mr(
-                pd.pd,
-                buffers.ptr.cast(),
-                len,
-                ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32,
-            )
-        };
-        if mr.is_null() {
-            return Err(dev.err("ibv_reg_mr", io::Error::last_os_error()));
-        }
-        let mut init = ffi::ibv_srq_init_attr {
-            srq_context: ptr::null_mut(),
-            attr: ffi::ibv_srq_attr {
-                max_wr: depth,
-                max_sge: 1,
-                srq_limit: 0,
-            },
-        };
-        // SAFETY: valid PD and init attributes.
-        let srq = unsafe { ffi::ibv_create_srq(pd.pd, &mut init) };
-        if srq.is_null() {
-            let e = io::Error::last_os_error();
-            // SAFETY: registered above, not used by anything.
-            unsafe { ffi::ibv_dereg_mr(mr) };
-            return Err(dev.err("ibv_create_srq", e));
-        }
-        let mut q = Self {
-            srq,
-            mr,
-            buffers,
-            depth,
-            buffer_bytes,
-            stride,
-            posted: 0,
-            _pd: pd,
-        };
-        q.post(0..depth)?;
-        q.arm_limit(depth / 4)?;
-        Ok(q)
-    }
-
-    /// Posts the receive buffers `slots` (each slot's wr_id is its index).
-    pub fn post(&mut self, slots: std::ops::Range<u32>) -> Result<(), VerbsError> {
-        // SAFETY: the MR is valid; lkey is plain data.
-        let lkey = unsafe { (*self.mr).lkey };
-        const BATCH: u32 = 256;
-        let mut start = slots.start;
-        while start < slots.end {
-            let end = (start + BATCH).min(slots.end);
-            let mut sges: Vec<ffi::ibv_sge> = (start..end)
-                .map(|i| ffi::ibv_sge {
-                    addr: self.buffers.ptr as u64 + i as u64 * self.stride,
-                    length: self.buffer_bytes,
-                    lkey,
-                })
-                .collect();
-            let mut wrs: Vec<ffi::ibv_recv_wr> = (start..end)
-                .map(|i| ffi::ibv_recv_wr {
-                    wr_id: i as u64,
-                    next: ptr::null_mut(),
-                    sg_list: ptr::null_mut(),
-                    num_sge: 1,
-                })
-                .collect();
-            for k in 0..wrs.len() {
-                wrs[k].sg_list = &mut sges[k];
-                if k + 1 < wrs.len() {
-                    wrs[k].next = &mut wrs[k + 1] as *mut _;
-                }
-            }
-            let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
-            // ibv_post_srq_recv is a static inline in verbs.h: dispatch through the context's
-            // ops table, as libibverbs itself does.
-            // SAFETY: the SRQ's context is valid; wrs and sges outlive the call.
-            let rc = unsafe {
-                let ctx = (*self.srq).context;
-                match (*ctx).ops.post_srq_recv {
-                    Some(f) => f(self.srq, wrs.as_mut_ptr(), &mut bad),
-                    None => libc::EOPNOTSUPP,
-                }
-            };
-            if rc != 0 {
-                return Err(self
-                    ._pd
-                    .dev
-                    .err("post_srq_recv", io::Error::from_raw_os_error(rc)));
-            }
-            self.posted += end - start;
-            start = end;
-        }
-        Ok(())
-    }
-
-    /// Arms the SRQ limit event: the HCA raises it when fewer than `limit` receives remain.
-    pub fn arm_limit(&mut self, limit: u32) -> Result<(), VerbsError> {
-        let mut attr = ffi::ibv_srq_attr {
-            max_wr: 0,
-            max_sge: 0,
-            srq_limit: limit,
-        };
-        // SAFETY: valid SRQ; IBV_SRQ_LIMIT only.
-        let rc = unsafe { ffi::ibv_modify_srq(self.srq, &mut attr, ffi::IBV_SRQ_LIMIT as i32) };
-        if rc != 0 {
-            return Err(self
-                ._pd
-                .dev
-                .err("ibv_modify_srq", io::Error::from_raw_os_error(rc)));
-        }
-        Ok(())
-    }
-
-    pub fn query(&self) -> Result<SrqAttr, VerbsError> {
-        let mut attr = ffi::ibv_srq_attr {
-            max_wr: 0,
-            max_sge: 0,
-            srq_limit: 0,
-        };
-        // SAFETY: valid SRQ and out pointer.
-        let rc = unsafe { ffi::ibv_query_srq(self.srq, &mut attr) };
-        if rc != 0 {
-            return Err(self
-                ._pd
-                .dev
-                .err("ibv_query_srq", io::Error::from_raw_os_error(rc)));
-        }
-        Ok(SrqAttr {
-            max_wr: attr.max_wr,
-            max_sge: attr.max_sge,
-            srq_limit: attr.srq_limit,
-        })
     }
 }

@@ -1,0 +1,452 @@
+//! The CM handshake over TCP: REQ, REP or REJ, RTU. The TCP stream stays open for the life of
+//! the RC connection: its end (the peer closed, crashed or was killed) is how each side learns
+//! that the other is gone, as a CM DREQ or a timewait would tell it on InfiniBand.
+//!
+//! * Active side ([`Cm::connect`]): makes its QP, sends REQ, takes the REP, brings its QP to
+//!   RTS, sends RTU. Transient failures (TCP errors, timeouts, REJ busy or no resources) are
+//!   retried with exponential backoff, a bounded number of times.
+//! * Passive side ([`Cm::accept`]): validates the REQ before it allocates anything, makes its
+//!   QP, brings it to RTS, sends REP, waits for RTU.
+//! * Setups in flight, both sides together, are capped; past the cap a REQ gets REJ busy.
+//! * One connection per peer (its IPoIB address, UD QPN and GID). Crossing REQs are resolved
+//!   by the tie-break of RFC 4755: the lower address accepts the other side's REQ, the higher
+//!   one refuses it (REJ crossing) and its own REQ completes.
+
+use std::{
+    collections::HashMap,
+    io,
+    net::SocketAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+    sync::{Semaphore, mpsc},
+    time::timeout,
+};
+
+use super::wire::{
+    Hello, HwAddr, Kind, MSG_LEN, Msg, RejectReason, WireError, accepts_crossing, connection_mtu,
+};
+use crate::verbs::{
+    CompletionQueue, PortAddress, ProtectionDomain, RcQueuePair, SharedReceiveQueue, VerbsError,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("TCP: {0}")]
+    Io(#[from] io::Error),
+    #[error("timed out waiting for {0}")]
+    Timeout(&'static str),
+    #[error("the peer refused: {0:?}")]
+    Rejected(RejectReason),
+    #[error("malformed message from the peer: {0}")]
+    Malformed(#[from] WireError),
+    #[error("unexpected {0:?} from the peer")]
+    Unexpected(Kind),
+    #[error("the peer answered as {got:?}, expected {want:?}")]
+    WrongPeer { want: HwAddr, got: HwAddr },
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    #[error("crossing REQs: the peer's REQ won the tie-break; its connection is the one")]
+    Crossed,
+    #[error("a setup with this peer is under way or it is connected")]
+    InProgress,
+    #[error("too many setups in flight")]
+    Busy,
+}
+
+impl SetupError {
+    /// Worth another attempt after a backoff.
+    pub fn transient(&self) -> bool {
+        match self {
+            Self::Io(_) | Self::Timeout(_) => true,
+            Self::Rejected(r) => r.transient(),
+            _ => false,
+        }
+    }
+}
+
+/// Timeouts, retries and caps of connection setup.
+#[derive(Debug, Clone)]
+pub struct SetupConfig {
+    /// Each step: TCP connect, waiting for REP, waiting for REQ or RTU.
+    pub step_timeout: Duration,
+    /// Attempts after the first, for transient failures.
+    pub retries: u32,
+    /// First backoff; doubled after each failure, up to `max_backoff`.
+    pub backoff: Duration,
+    pub max_backoff: Duration,
+    /// Setups in flight at once, active and passive together.
+    pub max_concurrent: usize,
+    /// Send queue depth of each RC QP.
+    pub max_send_wr: u32,
+}
+
+impl Default for SetupConfig {
+    fn default() -> Self {
+        Self {
+            step_timeout: Duration::from_secs(2),
+            retries: 3,
+            backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(5),
+            max_concurrent: 16,
+            max_send_wr: 64,
+        }
+    }
+}
+
+/// What every connection of this node shares: one SRQ and its CQs.
+pub struct Resources {
+    pub pd: Arc<ProtectionDomain>,
+    pub send_cq: Arc<CompletionQueue>,
+    pub recv_cq: Arc<CompletionQueue>,
+    pub srq: Arc<SharedReceiveQueue>,
+    pub port: PortAddress,
+}
+
+impl Resources {
+    fn qp(&self, max_send_wr: u32) -> Result<RcQueuePair, VerbsError> {
+        RcQueuePair::create(
+            &self.pd,
+            &self.send_cq,
+            &self.recv_cq,
+            &self.srq,
+            self.port,
+            max_send_wr,
+            random_psn(),
+        )
+    }
+}
+
+fn random_psn() -> u32 {
+    let mut b = [0u8; 4];
+    // SAFETY: writes at most 4 bytes into b. On failure the PSN is 0, which is valid.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), 4, 0) };
+    u32::from_ne_bytes(b) & 0xff_ffff
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Outgoing,
+    Incoming,
+    Connected,
+}
+
+/// Setups and connections by peer; an entry belongs to whoever holds its token.
+#[derive(Default)]
+struct Table {
+    next: AtomicU64,
+    peers: Mutex<HashMap<HwAddr, (Stage, u64)>>,
+}
+
+/// An entry of the table, removed when dropped (if still its owner's).
+struct Slot {
+    table: Arc<Table>,
+    peer: HwAddr,
+    token: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut peers = self.table.peers.lock().unwrap();
+        if peers.get(&self.peer).is_some_and(|(_, t)| *t == self.token) {
+            peers.remove(&self.peer);
+        }
+    }
+}
+
+impl Slot {
+    fn set(&self, stage: Stage) {
+        if let Some(e) = self.table.peers.lock().unwrap().get_mut(&self.peer)
+            && e.1 == self.token
+        {
+            e.0 = stage;
+        }
+    }
+}
+
+/// An established RC connection.
+pub struct Connection {
+    pub qp: Arc<RcQueuePair>,
+    /// The peer's REQ or REP.
+    pub peer: Hello,
+    pub peer_addr: SocketAddr,
+    /// RFC 4755 per-connection MTU: the smaller receive MTU less the 4-byte header.
+    pub mtu: u32,
+    ctl: TcpStream,
+    _slot: Slot,
+}
+
+impl Connection {
+    /// Resolves when the peer is gone: its end of the control stream closed or broke.
+    pub async fn closed(&mut self) {
+        let mut b = [0u8; 64];
+        loop {
+            match self.ctl.read(&mut b).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {} // nothing is sent after RTU; ignore stray bytes
+            }
+        }
+    }
+
+    /// Ends the connection here: the QP goes to the error state (outstanding work flushes), and
+    /// the control stream closes, which the peer sees at once.
+    pub fn close(self) {
+        let _ = self.qp.to_error();
+    }
+}
+
+/// Counters of the handshake, for status and tests.
+#[derive(Debug, Default)]
+pub struct CmStats {
+    pub established: AtomicU64,
+    pub rejected_sent: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// The connection manager of one node (one IPoIB interface).
+pub struct Cm {
+    res: Arc<Resources>,
+    /// This side's UD QPN (from its IPoIB hardware address).
+    pub ud_qpn: u32,
+    /// This side's receive MTU (the SRQ buffer size).
+    pub recv_mtu: u32,
+    pub cfg: SetupConfig,
+    permits: Arc<Semaphore>,
+    table: Arc<Table>,
+    pub stats: CmStats,
+}
+
+async fn read_msg(s: &mut TcpStream, t: Duration, what: &'static str) -> Result<Msg, SetupError> {
+    let mut b = [0u8; MSG_LEN];
+    match timeout(t, s.read_exact(&mut b)).await {
+        Err(_) => Err(SetupError::Timeout(what)),
+        Ok(Err(e)) => Err(e.into()),
+        Ok(Ok(_)) => Ok(Msg::decode(&b)?),
+    }
+}
+
+async fn write_msg(s: &mut TcpStream, m: Msg, t: Duration) -> Result<(), SetupError> {
+    match timeout(t, s.write_all(&m.encode())).await {
+        Err(_) => Err(SetupError::Timeout("sending")),
+        Ok(r) => Ok(r?),
+    }
+}
+
+impl Cm {
+    pub fn new(res: Arc<Resources>, ud_qpn: u32, cfg: SetupConfig) -> Self {
+        Self {
+            recv_mtu: res.srq.buffer_bytes,
+            res,
+            ud_qpn,
+            permits: Arc::new(Semaphore::new(cfg.max_concurrent)),
+            cfg,
+            table: Arc::default(),
+            stats: CmStats::default(),
+        }
+    }
+
+    /// This side's IPoIB address (UD QPN and port GID).
+    pub fn hwaddr(&self) -> HwAddr {
+        HwAddr {
+            gid: self.res.port.gid,
+            ud_qpn: self.ud_qpn,
+        }
+    }
+
+    fn hello(&self, qp: &RcQueuePair) -> Hello {
+        Hello {
+            ud_qpn: self.ud_qpn,
+            recv_mtu: self.recv_mtu,
+            rc: qp.endpoint(),
+        }
+    }
+
+    fn reject(&self, reason: RejectReason) -> Msg {
+        self.stats.rejected_sent.fetch_add(1, Ordering::Relaxed);
+        Msg::Rej {
+            ud_qpn: self.ud_qpn,
+            recv_mtu: self.recv_mtu,
+            reason,
+        }
+    }
+
+    /// Claims `peer` for a setup in `stage`; None when an entry exists (see `accept` for the
+    /// one case where an incoming REQ takes over an outgoing setup).
+    fn claim(&self, peer: HwAddr, stage: Stage) -> Option<Slot> {
+        let mut peers = self.table.peers.lock().unwrap();
+        let token = self.table.next.fetch_add(1, Ordering::Relaxed);
+        match peers.get(&peer) {
+            Some((Stage::Outgoing, _))
+                if stage == Stage::Incoming && accepts_crossing(self.hwaddr(), peer) => {}
+            Some(_) => return None,
+            None => {}
+        }
+        peers.insert(peer, (stage, token));
+        Some(Slot {
+            table: self.table.clone(),
+            peer,
+            token,
+        })
+    }
+
+    /// Connects to the peer at `addr` whose IPoIB address is `peer`, retrying transient
+    /// failures with exponential backoff.
+    pub async fn connect(&self, addr: SocketAddr, peer: HwAddr) -> Result<Connection, SetupError> {
+        let mut backoff = self.cfg.backoff;
+        let mut attempt = 0;
+        loop {
+            match self.connect_once(addr, peer).await {
+                Ok(c) => return Ok(c),
+                Err(e) if e.transient() && attempt < self.cfg.retries => {
+                    tracing::debug!(%addr, attempt, "setup failed, retrying in {backoff:?}: {e}");
+                    attempt += 1;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.cfg.max_backoff);
+                }
+                Err(e) => {
+                    self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// One attempt, no retry.
+    pub async fn connect_once(
+        &self,
+        addr: SocketAddr,
+        peer: HwAddr,
+    ) -> Result<Connection, SetupError> {
+        let t = self.cfg.step_timeout;
+        let _permit = self.permits.acquire().await.map_err(|_| SetupError::Busy)?;
+        let slot = self
+            .claim(peer, Stage::Outgoing)
+            .ok_or(SetupError::InProgress)?;
+        let mut s = match timeout(t, TcpStream::connect(addr)).await {
+            Err(_) => return Err(SetupError::Timeout("TCP connect")),
+            Ok(r) => r?,
+        };
+        s.set_nodelay(true)?;
+        let qp = self.res.qp(self.cfg.max_send_wr)?;
+        write_msg(&mut s, Msg::Req(self.hello(&qp)), t).await?;
+        let rep = match read_msg(&mut s, t, "REP").await? {
+            Msg::Rep(h) => h,
+            Msg::Rej {
+                reason: RejectReason::Crossing,
+                ..
+            } => {
+                return Err(SetupError::Crossed);
+            }
+            Msg::Rej { reason, .. } => return Err(SetupError::Rejected(reason)),
+            m => return Err(SetupError::Unexpected(m.kind())),
+        };
+        if rep.hwaddr() != peer {
+            return Err(SetupError::WrongPeer {
+                want: peer,
+                got: rep.hwaddr(),
+            });
+        }
+        qp.connect(&rep.rc)?;
+        write_msg(
+            &mut s,
+            Msg::Rtu {
+                ud_qpn: self.ud_qpn,
+                recv_mtu: self.recv_mtu,
+            },
+            t,
+        )
+        .await?;
+        slot.set(Stage::Connected);
+        self.stats.established.fetch_add(1, Ordering::Relaxed);
+        Ok(Connection {
+            qp: Arc::new(qp),
+            mtu: connection_mtu(self.recv_mtu, rep.recv_mtu),
+            peer: rep,
+            peer_addr: addr,
+            ctl: s,
+            _slot: slot,
+        })
+    }
+
+    /// The passive side of one TCP stream. Nothing is allocated until the REQ is valid.
+    pub async fn accept(&self, mut s: TcpStream) -> Result<Connection, SetupError> {
+        let t = self.cfg.step_timeout;
+        let peer_addr = s.peer_addr()?;
+        s.set_nodelay(true)?;
+        let Ok(_permit) = self.permits.try_acquire() else {
+            write_msg(&mut s, self.reject(RejectReason::Busy), t).await?;
+            return Err(SetupError::Busy);
+        };
+        let req = match read_msg(&mut s, t, "REQ").await {
+            Ok(Msg::Req(h)) => h,
+            Ok(m) => {
+                write_msg(&mut s, self.reject(RejectReason::Malformed), t).await?;
+                return Err(SetupError::Unexpected(m.kind()));
+            }
+            Err(SetupError::Malformed(e)) => {
+                write_msg(&mut s, self.reject(e.reason()), t).await?;
+                return Err(e.into());
+            }
+            Err(e) => return Err(e),
+        };
+        let Some(slot) = self.claim(req.hwaddr(), Stage::Incoming) else {
+            write_msg(&mut s, self.reject(RejectReason::Crossing), t).await?;
+            return Err(SetupError::InProgress);
+        };
+        let qp = match self.res.qp(self.cfg.max_send_wr) {
+            Ok(qp) => qp,
+            Err(e) => {
+                write_msg(&mut s, self.reject(RejectReason::NoResources), t).await?;
+                return Err(e.into());
+            }
+        };
+        qp.connect(&req.rc)?;
+        write_msg(&mut s, Msg::Rep(self.hello(&qp)), t).await?;
+        match read_msg(&mut s, t, "RTU").await? {
+            Msg::Rtu { ud_qpn, .. } if ud_qpn == req.ud_qpn => {}
+            Msg::Rtu { .. } => return Err(SetupError::Unexpected(Kind::Rtu)),
+            m => return Err(SetupError::Unexpected(m.kind())),
+        }
+        slot.set(Stage::Connected);
+        self.stats.established.fetch_add(1, Ordering::Relaxed);
+        Ok(Connection {
+            qp: Arc::new(qp),
+            mtu: connection_mtu(self.recv_mtu, req.recv_mtu),
+            peer: req,
+            peer_addr,
+            ctl: s,
+            _slot: slot,
+        })
+    }
+
+    /// Accepts on `listener` until it fails or `tx` is closed: each stream is handled in its
+    /// own task, and every outcome goes to `tx`.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tx: mpsc::UnboundedSender<(SocketAddr, Result<Connection, SetupError>)>,
+    ) -> io::Result<()> {
+        loop {
+            let (s, addr) = listener.accept().await?;
+            if tx.is_closed() {
+                return Ok(());
+            }
+            let (cm, tx) = (self.clone(), tx.clone());
+            tokio::spawn(async move {
+                let r = cm.accept(s).await;
+                if let Err(e) = &r {
+                    cm.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%addr, "incoming setup failed: {e}");
+                }
+                let _ = tx.send((addr, r));
+            });
+        }
+    }
+}

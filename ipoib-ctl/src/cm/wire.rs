@@ -1,0 +1,464 @@
+//! The CM handshake's messages: fixed 48-byte records, big-endian, carried over TCP on the
+//! IP path (`ctl-port`, 4755 by default). Pure: encode, decode and validate, no I/O.
+//!
+//! ```text
+//!  0  magic "IPHC"          4  version (1)   5  kind   6  reject reason (REJ only)  7  0
+//!  8  UD QPN (be32, high byte 0)       } RFC 4755 private data: every message, REJ too
+//! 12  receive MTU (be32)               }
+//! 16  RC QPN (be32, high byte 0)   20  first PSN (be32, 24 bits)      } REQ and REP only;
+//! 24  LID (be16)   26  port MTU (ibv_mtu 1..=5)   27  0               } zero in REJ, RTU
+//! 28  GID (16 bytes)                                                  }
+//! 44  reserved, 0 (be32)
+//! ```
+//!
+//! A REQ opens the exchange, the passive side answers REP (its QP already in RTS) or REJ, and
+//! the active side confirms with RTU once its QP is in RTS. Every field is checked before
+//! anything is allocated for the message; a violation names the field.
+
+use crate::verbs::RcEndpoint;
+
+pub const MAGIC: [u8; 4] = *b"IPHC";
+pub const VERSION: u8 = 1;
+pub const MSG_LEN: usize = 48;
+/// The largest receive MTU a CM endpoint may announce: Linux' CM receive buffer
+/// (IPOIB_CM_BUF_SIZE = 65520-byte CM MTU + 4-byte IPoIB header).
+pub const MAX_RECV_MTU: u32 = 65524;
+/// Linux rejects a REP whose MTU is 4 or less (no room for the IPoIB header); so do we, for
+/// every message that carries one.
+pub const MIN_RECV_MTU: u32 = 5;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Req = 1,
+    Rep = 2,
+    Rej = 3,
+    Rtu = 4,
+}
+
+/// Why a REQ (or REP) was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[repr(u8)]
+pub enum RejectReason {
+    /// A field failed validation.
+    Malformed = 1,
+    /// A protocol version we do not speak.
+    Version = 2,
+    /// Too many setups in flight here; try again later.
+    Busy = 3,
+    /// Crossing REQs: the other one wins the tie-break, or a connection already exists.
+    Crossing = 4,
+    /// No QP or memory for another connection (the memory plan is full).
+    NoResources = 5,
+    /// Policy keeps this peer on UD.
+    Policy = 6,
+}
+
+impl RejectReason {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Malformed,
+            2 => Self::Version,
+            3 => Self::Busy,
+            4 => Self::Crossing,
+            5 => Self::NoResources,
+            6 => Self::Policy,
+            _ => return None,
+        })
+    }
+
+    /// Worth asking again later (with backoff).
+    pub fn transient(self) -> bool {
+        matches!(self, Self::Busy | Self::NoResources)
+    }
+}
+
+/// The IPoIB link-layer address of a CM endpoint without its flags: UD QPN and port GID.
+/// Orders crossing REQs (RFC 4755 3.3: the lower address accepts the other side's REQ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HwAddr {
+    pub gid: [u8; 16],
+    pub ud_qpn: u32,
+}
+
+/// Whether the side at `local` accepts the REQ of `remote` when both sent one.
+pub fn accepts_crossing(local: HwAddr, remote: HwAddr) -> bool {
+    local < remote
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Msg {
+    Req(Hello),
+    Rep(Hello),
+    Rej {
+        ud_qpn: u32,
+        recv_mtu: u32,
+        reason: RejectReason,
+    },
+    Rtu {
+        ud_qpn: u32,
+        recv_mtu: u32,
+    },
+}
+
+/// What a REQ or REP carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// RFC 4755 private data: the sender's UD QPN and receive MTU.
+    pub ud_qpn: u32,
+    pub recv_mtu: u32,
+    /// The sender's RC QP.
+    pub rc: RcEndpoint,
+}
+
+impl Hello {
+    pub fn hwaddr(&self) -> HwAddr {
+        HwAddr {
+            gid: self.rc.gid,
+            ud_qpn: self.ud_qpn,
+        }
+    }
+}
+
+/// What is wrong with a message, by field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic {0:02x?}")]
+    Magic([u8; 4]),
+    #[error("unsupported protocol version {0}")]
+    Version(u8),
+    #[error("unknown message kind {0}")]
+    Kind(u8),
+    #[error("unknown reject reason {0}")]
+    Reason(u8),
+    #[error("reserved byte at offset {0} is not zero")]
+    Reserved(usize),
+    #[error("UD QPN {0:#x} is not a 24-bit QPN above 1")]
+    UdQpn(u32),
+    #[error("receive MTU {0} is outside {MIN_RECV_MTU}..={MAX_RECV_MTU}")]
+    RecvMtu(u32),
+    #[error("RC QPN {0:#x} is not a 24-bit QPN above 1")]
+    RcQpn(u32),
+    #[error("PSN {0:#x} is wider than 24 bits")]
+    Psn(u32),
+    #[error("LID {0:#x} is not a unicast LID")]
+    Lid(u16),
+    #[error("port MTU {0} is not an ibv_mtu (1..=5)")]
+    PortMtu(u8),
+    #[error("GID is zero or multicast")]
+    Gid,
+    #[error("a {0:?} carries RC endpoint fields, which must be zero")]
+    Extra(Kind),
+}
+
+impl WireError {
+    /// The reason a REJ gives for it.
+    pub fn reason(&self) -> RejectReason {
+        match self {
+            Self::Version(_) => RejectReason::Version,
+            _ => RejectReason::Malformed,
+        }
+    }
+}
+
+fn qpn_ok(q: u32) -> bool {
+    q > 1 && q <= 0xff_ffff
+}
+
+impl Msg {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Msg::Req(_) => Kind::Req,
+            Msg::Rep(_) => Kind::Rep,
+            Msg::Rej { .. } => Kind::Rej,
+            Msg::Rtu { .. } => Kind::Rtu,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; MSG_LEN] {
+        let mut b = [0u8; MSG_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.kind() as u8;
+        let (ud_qpn, recv_mtu) = match *self {
+            Msg::Req(h) | Msg::Rep(h) => {
+                b[16..20].copy_from_slice(&h.rc.qpn.to_be_bytes());
+                b[20..24].copy_from_slice(&h.rc.psn.to_be_bytes());
+                b[24..26].copy_from_slice(&h.rc.lid.to_be_bytes());
+                b[26] = h.rc.mtu as u8;
+                b[28..44].copy_from_slice(&h.rc.gid);
+                (h.ud_qpn, h.recv_mtu)
+            }
+            Msg::Rej {
+                ud_qpn,
+                recv_mtu,
+                reason,
+            } => {
+                b[6] = reason as u8;
+                (ud_qpn, recv_mtu)
+            }
+            Msg::Rtu { ud_qpn, recv_mtu } => (ud_qpn, recv_mtu),
+        };
+        b[8..12].copy_from_slice(&ud_qpn.to_be_bytes());
+        b[12..16].copy_from_slice(&recv_mtu.to_be_bytes());
+        b
+    }
+
+    /// Decodes and validates every field.
+    pub fn decode(b: &[u8; MSG_LEN]) -> Result<Msg, WireError> {
+        let be32 = |o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(WireError::Magic(magic));
+        }
+        if b[4] != VERSION {
+            return Err(WireError::Version(b[4]));
+        }
+        let kind = match b[5] {
+            1 => Kind::Req,
+            2 => Kind::Rep,
+            3 => Kind::Rej,
+            4 => Kind::Rtu,
+            k => return Err(WireError::Kind(k)),
+        };
+        for o in [7, 27, 44, 45, 46, 47] {
+            if b[o] != 0 {
+                return Err(WireError::Reserved(o));
+            }
+        }
+        if kind != Kind::Rej && b[6] != 0 {
+            return Err(WireError::Reserved(6));
+        }
+        let ud_qpn = be32(8);
+        if !qpn_ok(ud_qpn) {
+            return Err(WireError::UdQpn(ud_qpn));
+        }
+        let recv_mtu = be32(12);
+        if !(MIN_RECV_MTU..=MAX_RECV_MTU).contains(&recv_mtu) {
+            return Err(WireError::RecvMtu(recv_mtu));
+        }
+        match kind {
+            Kind::Rej | Kind::Rtu => {
+                if b[16..44].iter().any(|&x| x != 0) {
+                    return Err(WireError::Extra(kind));
+                }
+                Ok(if kind == Kind::Rej {
+                    Msg::Rej {
+                        ud_qpn,
+                        recv_mtu,
+                        reason: RejectReason::from_u8(b[6]).ok_or(WireError::Reason(b[6]))?,
+                    }
+                } else {
+                    Msg::Rtu { ud_qpn, recv_mtu }
+                })
+            }
+            Kind::Req | Kind::Rep => {
+                let qpn = be32(16);
+                if !qpn_ok(qpn) {
+                    return Err(WireError::RcQpn(qpn));
+                }
+                let psn = be32(20);
+                if psn > 0xff_ffff {
+                    return Err(WireError::Psn(psn));
+                }
+                let lid = u16::from_be_bytes([b[24], b[25]]);
+                // 0: RoCE (no LIDs); 0xc000.. are multicast LIDs and 0xffff the permissive LID.
+                if lid >= 0xc000 {
+                    return Err(WireError::Lid(lid));
+                }
+                let mtu = b[26];
+                if !(1..=5).contains(&mtu) {
+                    return Err(WireError::PortMtu(mtu));
+                }
+                let mut gid = [0u8; 16];
+                gid.copy_from_slice(&b[28..44]);
+                if gid == [0; 16] || gid[0] == 0xff {
+                    return Err(WireError::Gid);
+                }
+                let h = Hello {
+                    ud_qpn,
+                    recv_mtu,
+                    rc: RcEndpoint {
+                        qpn,
+                        psn,
+                        lid,
+                        gid,
+                        mtu: mtu as u32,
+                    },
+                };
+                Ok(if kind == Kind::Req {
+                    Msg::Req(h)
+                } else {
+                    Msg::Rep(h)
+                })
+            }
+        }
+    }
+}
+
+/// The per-connection MTU (RFC 4755 5.1): the smaller receive MTU, less the IPoIB header.
+pub fn connection_mtu(local_recv_mtu: u32, remote_recv_mtu: u32) -> u32 {
+    local_recv_mtu.min(remote_recv_mtu) - 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> Hello {
+        Hello {
+            ud_qpn: 0x48,
+            recv_mtu: 65524,
+            rc: RcEndpoint {
+                qpn: 0x1234,
+                psn: 0xabcdef,
+                lid: 0,
+                gid: [
+                    0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
+                ],
+                mtu: 3,
+            },
+        }
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        let h = hello();
+        for m in [
+            Msg::Req(h),
+            Msg::Rep(h),
+            Msg::Rej {
+                ud_qpn: 0x48,
+                recv_mtu: 65524,
+                reason: RejectReason::Crossing,
+            },
+            Msg::Rtu {
+                ud_qpn: 0x48,
+                recv_mtu: 2048,
+            },
+        ] {
+            assert_eq!(Msg::decode(&m.encode()), Ok(m));
+        }
+    }
+
+    #[test]
+    fn layout_is_the_documented_one() {
+        let b = Msg::Req(hello()).encode();
+        assert_eq!(&b[0..4], b"IPHC");
+        assert_eq!(b[4], 1);
+        assert_eq!(b[5], 1);
+        assert_eq!(&b[8..12], &[0, 0, 0, 0x48]);
+        assert_eq!(&b[12..16], &65524u32.to_be_bytes());
+        assert_eq!(&b[16..20], &[0, 0, 0x12, 0x34]);
+        assert_eq!(&b[20..24], &[0, 0xab, 0xcd, 0xef]);
+        assert_eq!(b[26], 3);
+        assert_eq!(b[28], 0xfe);
+        assert_eq!(b[43], 0x55);
+    }
+
+    /// Each field, broken on its own, is refused with that field named.
+    #[test]
+    fn each_malformed_field_is_named() {
+        let good = Msg::Req(hello()).encode();
+        type Breaker = Box<dyn Fn(&mut [u8; MSG_LEN])>;
+        let cases: Vec<(Breaker, WireError)> = vec![
+            (Box::new(|b| b[0] = b'X'), WireError::Magic(*b"XPHC")),
+            (Box::new(|b| b[4] = 2), WireError::Version(2)),
+            (Box::new(|b| b[5] = 0), WireError::Kind(0)),
+            (Box::new(|b| b[5] = 9), WireError::Kind(9)),
+            (Box::new(|b| b[6] = 1), WireError::Reserved(6)),
+            (Box::new(|b| b[7] = 1), WireError::Reserved(7)),
+            (Box::new(|b| b[27] = 1), WireError::Reserved(27)),
+            (Box::new(|b| b[47] = 1), WireError::Reserved(47)),
+            (Box::new(|b| b[8] = 1), WireError::UdQpn(0x0100_0048)),
+            (
+                Box::new(|b| b[8..12].copy_from_slice(&[0, 0, 0, 1])),
+                WireError::UdQpn(1),
+            ),
+            (
+                Box::new(|b| b[12..16].copy_from_slice(&4u32.to_be_bytes())),
+                WireError::RecvMtu(4),
+            ),
+            (
+                Box::new(|b| b[12..16].copy_from_slice(&65525u32.to_be_bytes())),
+                WireError::RecvMtu(65525),
+            ),
+            (
+                Box::new(|b| b[16..20].copy_from_slice(&[0, 0, 0, 0])),
+                WireError::RcQpn(0),
+            ),
+            (Box::new(|b| b[16] = 0x80), WireError::RcQpn(0x8000_1234)),
+            (Box::new(|b| b[20] = 1), WireError::Psn(0x01ab_cdef)),
+            (
+                Box::new(|b| b[24..26].copy_from_slice(&[0xc0, 0x01])),
+                WireError::Lid(0xc001),
+            ),
+            (
+                Box::new(|b| b[24..26].copy_from_slice(&[0xff, 0xff])),
+                WireError::Lid(0xffff),
+            ),
+            (Box::new(|b| b[26] = 0), WireError::PortMtu(0)),
+            (Box::new(|b| b[26] = 6), WireError::PortMtu(6)),
+            (Box::new(|b| b[28..44].fill(0)), WireError::Gid),
+            (Box::new(|b| b[28] = 0xff), WireError::Gid),
+        ];
+        for (i, (breakit, want)) in cases.iter().enumerate() {
+            let mut b = good;
+            breakit(&mut b);
+            assert_eq!(Msg::decode(&b), Err(*want), "case {i}");
+        }
+    }
+
+    #[test]
+    fn rej_and_rtu_carry_no_endpoint_and_a_known_reason() {
+        let rej = Msg::Rej {
+            ud_qpn: 0x48,
+            recv_mtu: 65524,
+            reason: RejectReason::Busy,
+        };
+        let mut b = rej.encode();
+        b[6] = 0;
+        assert_eq!(Msg::decode(&b), Err(WireError::Reason(0)));
+        b[6] = 200;
+        assert_eq!(Msg::decode(&b), Err(WireError::Reason(200)));
+        let mut b = rej.encode();
+        b[30] = 1;
+        assert_eq!(Msg::decode(&b), Err(WireError::Extra(Kind::Rej)));
+        let mut b = Msg::Rtu {
+            ud_qpn: 0x48,
+            recv_mtu: 65524,
+        }
+        .encode();
+        b[16] = 1;
+        assert_eq!(Msg::decode(&b), Err(WireError::Extra(Kind::Rtu)));
+    }
+
+    #[test]
+    fn tie_break_is_antisymmetric() {
+        let a = HwAddr {
+            gid: [1; 16],
+            ud_qpn: 0x48,
+        };
+        let b = HwAddr {
+            gid: [1; 16],
+            ud_qpn: 0x49,
+        };
+        let c = HwAddr {
+            gid: [2; 16],
+            ud_qpn: 0x10,
+        };
+        for (x, y) in [(a, b), (b, c), (a, c)] {
+            assert!(accepts_crossing(x, y));
+            assert!(!accepts_crossing(y, x));
+        }
+        assert!(!accepts_crossing(a, a), "a peer never accepts itself");
+    }
+
+    #[test]
+    fn connection_mtu_is_the_smaller_less_the_header() {
+        assert_eq!(connection_mtu(65524, 65524), 65520);
+        assert_eq!(connection_mtu(65524, 4096), 4092);
+        assert_eq!(connection_mtu(2048, 65524), 2044);
+    }
+}

@@ -1,0 +1,948 @@
+//! Verbs objects with owned lifetimes: each holds an `Arc` of what it was made from, so the
+//! drop order the HCA needs (QP before CQ, SRQ and PD; MR before PD; everything before the
+//! context) follows from ownership, and objects can move between threads and tasks.
+//!
+//! libibverbs objects are thread-safe (rdma-core locks inside the provider), hence the
+//! `Send`/`Sync` impls. Several calls that verbs.h defines as static inline functions
+//! (ibv_post_send, ibv_post_srq_recv, ibv_poll_cq, ibv_req_notify_cq) have no symbol to
+//! bind: they dispatch through the context's ops table, as libibverbs itself does.
+
+use std::{
+    io,
+    os::fd::RawFd,
+    ptr,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use ibverbs_sys as ffi;
+
+use super::{DeviceList, VerbsError, mtu_bytes};
+
+/// An open device context, closed when the last object made from it is gone.
+pub(super) struct Context {
+    ctx: *mut ffi::ibv_context,
+    name: String,
+}
+
+// SAFETY: libibverbs contexts may be used from any thread.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: opened by ibv_open_device, closed once; every object made from it holds an
+        // Arc of this context and is gone.
+        unsafe { ffi::ibv_close_device(self.ctx) };
+    }
+}
+
+impl Context {
+    fn err(&self, what: &'static str, source: io::Error) -> VerbsError {
+        VerbsError::Query {
+            device: self.name.clone(),
+            what,
+            source,
+        }
+    }
+
+    /// A verbs call's return code (0 or an errno value) as a result.
+    fn check(&self, what: &'static str, rc: i32) -> Result<(), VerbsError> {
+        match rc {
+            0 => Ok(()),
+            rc => Err(self.err(what, io::Error::from_raw_os_error(rc.abs()))),
+        }
+    }
+}
+
+/// An open RDMA device.
+#[derive(Clone)]
+pub struct Device {
+    ctx: Arc<Context>,
+}
+
+/// An asynchronous event the HCA raised (ibv_get_async_event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// The SRQ's receives fell below its armed limit (the limit is disarmed by this).
+    SrqLimitReached,
+    /// A QP went to the error state; its QPN.
+    QpFatal(u32),
+    /// The last WQE of a QP attached to an SRQ was consumed (after an error); its QPN.
+    QpLastWqeReached(u32),
+    /// A port changed state; its number.
+    PortChange(u8),
+    /// Any other event type (the raw value).
+    Other(u32),
+}
+
+impl Device {
+    /// Opens the device called `name`.
+    pub fn open(name: &str) -> Result<Self, VerbsError> {
+        let list = DeviceList::get()?;
+        let (dev, name) = list
+            .iter()
+            .find(|(_, n)| n == name)
+            .ok_or(VerbsError::NoDevices)?;
+        // The context outlives the list: rdma-core keeps a device alive while a context of
+        // it is open.
+        Self::open_raw(dev, name)
+    }
+
+    pub(super) fn open_raw(dev: *mut ffi::ibv_device, name: String) -> Result<Self, VerbsError> {
+        // SAFETY: a device of a live device list.
+        let ctx = unsafe { ffi::ibv_open_device(dev) };
+        if ctx.is_null() {
+            return Err(VerbsError::Query {
+                device: name,
+                what: "ibv_open_device",
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(Self {
+            ctx: Arc::new(Context { ctx, name }),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.ctx.name
+    }
+
+    pub(super) fn raw(&self) -> *mut ffi::ibv_context {
+        self.ctx.ctx
+    }
+
+    pub(super) fn err(&self, what: &'static str, source: io::Error) -> VerbsError {
+        self.ctx.err(what, source)
+    }
+
+    pub fn alloc_pd(&self) -> Result<Arc<ProtectionDomain>, VerbsError> {
+        // SAFETY: valid context.
+        let pd = unsafe { ffi::ibv_alloc_pd(self.ctx.ctx) };
+        if pd.is_null() {
+            return Err(self.err("ibv_alloc_pd", io::Error::last_os_error()));
+        }
+        Ok(Arc::new(ProtectionDomain {
+            pd,
+            ctx: self.ctx.clone(),
+        }))
+    }
+
+    /// This port's address as a connection needs it: LID, active MTU and the GID at
+    /// `gid_index`.
+    pub fn port_address(&self, port: u8, gid_index: u8) -> Result<PortAddress, VerbsError> {
+        let mut pa = ffi::ibv_port_attr::default();
+        // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
+        let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
+        self.ctx.check("ibv_query_port", rc)?;
+        let mut gid = ffi::ibv_gid { raw: [0; 16] };
+        // SAFETY: valid context and out pointer.
+        let rc = unsafe { ffi::ibv_query_gid(self.ctx.ctx, port, gid_index as i32, &mut gid) };
+        self.ctx.check("ibv_query_gid", rc)?;
+        Ok(PortAddress {
+            port,
+            lid: pa.lid,
+            // SAFETY: raw is the union's plain-bytes view.
+            gid: unsafe { gid.raw },
+            gid_index,
+            active_mtu: pa.active_mtu,
+            ethernet: pa.link_layer as u32 == ffi::IBV_LINK_LAYER_ETHERNET,
+        })
+    }
+
+    /// The next asynchronous event, waiting up to `timeout`; `None` when none came.
+    pub fn async_event(&self, timeout: Duration) -> Result<Option<AsyncEvent>, VerbsError> {
+        // SAFETY: valid context; async_fd is plain data.
+        let fd = unsafe { (*self.ctx.ctx).async_fd };
+        if !wait_readable(fd, timeout).map_err(|e| self.err("poll(async_fd)", e))? {
+            return Ok(None);
+        }
+        let mut ev = ffi::ibv_async_event::default();
+        // SAFETY: valid context and out pointer; the fd is readable so this does not block.
+        let rc = unsafe { ffi::ibv_get_async_event(self.ctx.ctx, &mut ev) };
+        if rc != 0 {
+            return Err(self.err("ibv_get_async_event", io::Error::last_os_error()));
+        }
+        // SAFETY: the union member that goes with each event type.
+        let kind = unsafe {
+            match ev.event_type {
+                ffi::IBV_EVENT_SRQ_LIMIT_REACHED => AsyncEvent::SrqLimitReached,
+                ffi::IBV_EVENT_QP_FATAL => AsyncEvent::QpFatal((*ev.element.qp).qp_num),
+                ffi::IBV_EVENT_QP_LAST_WQE_REACHED => {
+                    AsyncEvent::QpLastWqeReached((*ev.element.qp).qp_num)
+                }
+                ffi::IBV_EVENT_PORT_ACTIVE | ffi::IBV_EVENT_PORT_ERR => {
+                    AsyncEvent::PortChange(ev.element.port_num as u8)
+                }
+                other => AsyncEvent::Other(other),
+            }
+        };
+        // SAFETY: the event returned above, acknowledged once.
+        unsafe { ffi::ibv_ack_async_event(&mut ev) };
+        Ok(Some(kind))
+    }
+}
+
+/// Waits until `fd` is readable; false on timeout.
+fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    loop {
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Where a port is, for the far end of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortAddress {
+    pub port: u8,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    pub gid_index: u8,
+    /// ibv_mtu enum (1 = 256 .. 5 = 4096).
+    pub active_mtu: u32,
+    /// RoCE: addressing by GID (a GRH on every packet), no LIDs.
+    pub ethernet: bool,
+}
+
+pub struct ProtectionDomain {
+    pd: *mut ffi::ibv_pd,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: as Context.
+unsafe impl Send for ProtectionDomain {}
+unsafe impl Sync for ProtectionDomain {}
+
+impl Drop for ProtectionDomain {
+    fn drop(&mut self) {
+        // SAFETY: allocated by ibv_alloc_pd; every MR, SRQ and QP of it holds an Arc of it and
+        // is gone.
+        unsafe { ffi::ibv_dealloc_pd(self.pd) };
+    }
+}
+
+/// Page-aligned, zeroed memory.
+struct Buffers {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        // SAFETY: allocated with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// `count` slots of `stride` bytes in one registered region (local write access: receives
+/// land in it; sends read from it).
+pub struct MemoryRegion {
+    mr: *mut ffi::ibv_mr,
+    buffers: Buffers,
+    pub count: u32,
+    /// Bytes between slots (whole pages).
+    pub stride: u64,
+    pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: the region is plain memory; who may touch which slot is the caller's contract
+// (see `slot`).
+unsafe impl Send for MemoryRegion {}
+unsafe impl Sync for MemoryRegion {}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: registered here, deregistered once, before the memory (a field) is freed;
+        // whatever posted work into it (SRQ, QPs) holds an Arc of this region and is gone.
+        unsafe { ffi::ibv_dereg_mr(self.mr) };
+    }
+}
+
+impl MemoryRegion {
+    pub fn register(
+        pd: &Arc<ProtectionDomain>,
+        count: u32,
+        stride: u64,
+    ) -> Result<Arc<Self>, VerbsError> {
+        let invalid = |what| {
+            pd.ctx
+                .err(what, io::Error::from(io::ErrorKind::InvalidInput))
+        };
+        if count == 0 || stride == 0 || !stride.is_multiple_of(4096) {
+            return Err(invalid("region sizing"));
+        }
+        let len = count as u64 * stride;
+        let layout = std::alloc::Layout::from_size_align(len as usize, 4096)
+            .map_err(|_| invalid("buffer layout"))?;
+        // SAFETY: non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(pd.ctx.err(
+                "allocating registered buffers",
+                io::Error::from(io::ErrorKind::OutOfMemory),
+            ));
+        }
+        let buffers = Buffers { ptr, layout };
+        // SAFETY: the region is valid for len bytes and outlives the MR (freed after it).
+        let mr = unsafe {
+            ffi::ibv_reg_mr(
+                pd.pd,
+                buffers.ptr.cast(),
+                len as usize,
+                ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32,
+            )
+        };
+        if mr.is_null() {
+            return Err(pd.ctx.err("ibv_reg_mr", io::Error::last_os_error()));
+        }
+        Ok(Arc::new(Self {
+            mr,
+            buffers,
+            count,
+            stride,
+            pd: pd.clone(),
+        }))
+    }
+
+    fn sge(&self, slot: u32, len: u32) -> ffi::ibv_sge {
+        debug_assert!(slot < self.count && len as u64 <= self.stride);
+        ffi::ibv_sge {
+            addr: self.buffers.ptr as u64 + slot as u64 * self.stride,
+            length: len,
+            // SAFETY: the MR is valid; lkey is plain data.
+            lkey: unsafe { (*self.mr).lkey },
+        }
+    }
+
+    /// Slot `slot`'s bytes.
+    ///
+    /// # Safety
+    /// The slot must not be posted to the HCA (receive not yet completed, or send not yet
+    /// completed) while the slice lives, and no other slice of it may be live: the caller owns
+    /// each slot between its completion and its next post.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot(&self, slot: u32) -> &mut [u8] {
+        assert!(slot < self.count, "slot {slot} of {}", self.count);
+        // SAFETY: within the allocation; exclusivity is the caller's contract.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.buffers.ptr.add((slot as u64 * self.stride) as usize),
+                self.stride as usize,
+            )
+        }
+    }
+}
+
+/// A shared receive queue with its buffers registered once and every one of them posted.
+pub struct SharedReceiveQueue {
+    srq: *mut ffi::ibv_srq,
+    pub region: Arc<MemoryRegion>,
+    pub depth: u32,
+    pub buffer_bytes: u32,
+    posted: AtomicU32,
+}
+
+// SAFETY: as Context.
+unsafe impl Send for SharedReceiveQueue {}
+unsafe impl Sync for SharedReceiveQueue {}
+
+impl Drop for SharedReceiveQueue {
+    fn drop(&mut self) {
+        // SAFETY: created here, destroyed once, before the region its receives point into
+        // (a field, dropped after); every QP on it holds an Arc of it and is gone.
+        unsafe { ffi::ibv_destroy_srq(self.srq) };
+    }
+}
+
+/// What the HCA reports for an SRQ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct SrqAttr {
+    pub max_wr: u32,
+    pub max_sge: u32,
+    pub srq_limit: u32,
+}
+
+impl SharedReceiveQueue {
+    /// An SRQ of `depth` receives of `buffer_bytes` each, `stride` apart in one registered
+    /// region (one SGE per receive: the region is contiguous), every receive posted and the
+    /// limit event armed at a quarter of the depth, for refilling before starvation.
+    pub fn create(
+        pd: &Arc<ProtectionDomain>,
+        depth: u32,
+        buffer_bytes: u32,
+        stride: u64,
+    ) -> Result<Arc<Self>, VerbsError> {
+        if buffer_bytes == 0 || stride < buffer_bytes as u64 {
+            return Err(pd
+                .ctx
+                .err("SRQ sizing", io::Error::from(io::ErrorKind::InvalidInput)));
+        }
+        let region = MemoryRegion::register(pd, depth, stride)?;
+        let mut init = ffi::ibv_srq_init_attr {
+            srq_context: ptr::null_mut(),
+            attr: ffi::ibv_srq_attr {
+                max_wr: depth,
+                max_sge: 1,
+                srq_limit: 0,
+            },
+        };
+        // SAFETY: valid PD and init attributes.
+        let srq = unsafe { ffi::ibv_create_srq(pd.pd, &mut init) };
+        if srq.is_null() {
+            return Err(pd.ctx.err("ibv_create_srq", io::Error::last_os_error()));
+        }
+        let q = Self {
+            srq,
+            region,
+            depth,
+            buffer_bytes,
+            posted: AtomicU32::new(0),
+        };
+        q.post(0..depth)?;
+        q.arm_limit(depth / 4)?;
+        Ok(Arc::new(q))
+    }
+
+    fn ctx(&self) -> &Context {
+        &self.region.pd.ctx
+    }
+
+    /// Receives posted and not yet completed, as far as this process has been told
+    /// (`completed` is called for each receive completion).
+    pub fn posted(&self) -> u32 {
+        self.posted.load(Ordering::Relaxed)
+    }
+
+    /// Counts one receive completion (the slot is the caller's until posted again).
+    pub fn completed(&self, n: u32) {
+        self.posted.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Posts the receive buffers `slots` (each receive's wr_id is its slot index), in chains.
+    pub fn post(&self, slots: std::ops::Range<u32>) -> Result<(), VerbsError> {
+        let v: Vec<u32> = slots.collect();
+        self.post_slots(&v)
+    }
+
+    /// Posts the receive buffers of `slots`, in chains of up to 256.
+    pub fn post_slots(&self, slots: &[u32]) -> Result<(), VerbsError> {
+        for chunk in slots.chunks(256) {
+            let mut sges: Vec<ffi::ibv_sge> = chunk
+                .iter()
+                .map(|&i| self.region.sge(i, self.buffer_bytes))
+                .collect();
+            let mut wrs: Vec<ffi::ibv_recv_wr> = chunk
+                .iter()
+                .map(|&i| ffi::ibv_recv_wr {
+                    wr_id: i as u64,
+                    next: ptr::null_mut(),
+                    sg_list: ptr::null_mut(),
+                    num_sge: 1,
+                })
+                .collect();
+            for k in 0..wrs.len() {
+                wrs[k].sg_list = &mut sges[k];
+                if k + 1 < wrs.len() {
+                    wrs[k].next = &mut wrs[k + 1] as *mut _;
+                }
+            }
+            let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
+            // SAFETY: the SRQ's context is valid; wrs and sges outlive the call.
+            let rc = unsafe {
+                let ctx = (*self.srq).context;
+                match (*ctx).ops.post_srq_recv {
+                    Some(f) => f(self.srq, wrs.as_mut_ptr(), &mut bad),
+                    None => libc::EOPNOTSUPP,
+                }
+            };
+            self.ctx().check("post_srq_recv", rc)?;
+            self.posted.fetch_add(chunk.len() as u32, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Arms the SRQ limit event: the HCA raises it when fewer than `limit` receives remain.
+    pub fn arm_limit(&self, limit: u32) -> Result<(), VerbsError> {
+        let mut attr = ffi::ibv_srq_attr {
+            max_wr: 0,
+            max_sge: 0,
+            srq_limit: limit,
+        };
+        // SAFETY: valid SRQ; IBV_SRQ_LIMIT only.
+        let rc = unsafe { ffi::ibv_modify_srq(self.srq, &mut attr, ffi::IBV_SRQ_LIMIT as i32) };
+        self.ctx().check("ibv_modify_srq", rc)
+    }
+
+    pub fn query(&self) -> Result<SrqAttr, VerbsError> {
+        let mut attr = ffi::ibv_srq_attr {
+            max_wr: 0,
+            max_sge: 0,
+            srq_limit: 0,
+        };
+        // SAFETY: valid SRQ and out pointer.
+        let rc = unsafe { ffi::ibv_query_srq(self.srq, &mut attr) };
+        self.ctx().check("ibv_query_srq", rc)?;
+        Ok(SrqAttr {
+            max_wr: attr.max_wr,
+            max_sge: attr.max_sge,
+            srq_limit: attr.srq_limit,
+        })
+    }
+}
+
+/// A completion, reduced to what the engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub wr_id: u64,
+    pub qp_num: u32,
+    pub bytes: u32,
+    /// true for a receive, false for a send.
+    pub recv: bool,
+    /// `None` on success, else the ibv_wc_status value (e.g. 12 = retry exceeded,
+    /// 5 = flushed after an error).
+    pub error: Option<u32>,
+}
+
+/// A completion queue, optionally with its own completion channel (an fd that becomes
+/// readable when the armed CQ gets a completion: what tokio waits on).
+pub struct CompletionQueue {
+    cq: *mut ffi::ibv_cq,
+    channel: *mut ffi::ibv_comp_channel,
+    ctx: Arc<Context>,
+    /// Events taken from the channel and not yet acknowledged (acknowledged in batches and
+    /// before destroy, as ibv_destroy_cq requires).
+    unacked: AtomicU32,
+}
+
+// SAFETY: as Context.
+unsafe impl Send for CompletionQueue {}
+unsafe impl Sync for CompletionQueue {}
+
+impl Drop for CompletionQueue {
+    fn drop(&mut self) {
+        // SAFETY: created here; every QP on it holds an Arc of it and is gone; events are
+        // acknowledged before the CQ is destroyed, the channel after it.
+        unsafe {
+            let n = self.unacked.load(Ordering::Relaxed);
+            if n > 0 {
+                ffi::ibv_ack_cq_events(self.cq, n);
+            }
+            ffi::ibv_destroy_cq(self.cq);
+            if !self.channel.is_null() {
+                ffi::ibv_destroy_comp_channel(self.channel);
+            }
+        }
+    }
+}
+
+impl CompletionQueue {
+    pub fn create(dev: &Device, cqe: u32, with_channel: bool) -> Result<Arc<Self>, VerbsError> {
+        let channel = if with_channel {
+            // SAFETY: valid context.
+            let ch = unsafe { ffi::ibv_create_comp_channel(dev.raw()) };
+            if ch.is_null() {
+                return Err(dev.err("ibv_create_comp_channel", io::Error::last_os_error()));
+            }
+            ch
+        } else {
+            ptr::null_mut()
+        };
+        // SAFETY: valid context; the channel is null or ours.
+        let cq = unsafe { ffi::ibv_create_cq(dev.raw(), cqe as i32, ptr::null_mut(), channel, 0) };
+        if cq.is_null() {
+            let e = io::Error::last_os_error();
+            if !channel.is_null() {
+                // SAFETY: created above, used by nothing.
+                unsafe { ffi::ibv_destroy_comp_channel(channel) };
+            }
+            return Err(dev.err("ibv_create_cq", e));
+        }
+        Ok(Arc::new(Self {
+            cq,
+            channel,
+            ctx: dev.ctx.clone(),
+            unacked: AtomicU32::new(0),
+        }))
+    }
+
+    /// Takes up to `out.capacity()` completions into `out` (cleared first); returns how many.
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
+        out.clear();
+        // SAFETY: ibv_wc is plain integers; zero is a valid value.
+        let mut wcs: Vec<ffi::ibv_wc> = vec![unsafe { std::mem::zeroed() }; max.max(1)];
+        // SAFETY: valid CQ; wcs has room for max entries.
+        let n = unsafe {
+            let ctx = (*self.cq).context;
+            match (*ctx).ops.poll_cq {
+                Some(f) => f(self.cq, wcs.len() as i32, wcs.as_mut_ptr()),
+                None => -libc::EOPNOTSUPP,
+            }
+        };
+        if n < 0 {
+            return Err(self.ctx.err("poll_cq", io::Error::from_raw_os_error(-n)));
+        }
+        for wc in &wcs[..n as usize] {
+            let op = wc.opcode();
+            out.push(Completion {
+                wr_id: wc.wr_id(),
+                qp_num: wc.qp_num,
+                bytes: wc.len() as u32,
+                recv: op & ffi::ibv_wc_opcode::IBV_WC_RECV != 0,
+                error: wc.error().map(|(status, _)| status),
+            });
+        }
+        Ok(n as usize)
+    }
+
+    /// Asks for an event on the channel at the next completion.
+    pub fn arm(&self) -> Result<(), VerbsError> {
+        // SAFETY: valid CQ.
+        let rc = unsafe {
+            let ctx = (*self.cq).context;
+            match (*ctx).ops.req_notify_cq {
+                Some(f) => f(self.cq, 0),
+                None => libc::EOPNOTSUPP,
+            }
+        };
+        self.ctx.check("req_notify_cq", rc)
+    }
+
+    /// The completion channel's fd (None without a channel).
+    pub fn channel_fd(&self) -> Option<RawFd> {
+        // SAFETY: the channel is ours; fd is plain data.
+        (!self.channel.is_null()).then(|| unsafe { (*self.channel).fd })
+    }
+
+    /// Waits up to `timeout` for the armed CQ's event and takes it; false on timeout. Re-arm,
+    /// then poll again before waiting, or a completion that raced the arm is missed.
+    pub fn wait(&self, timeout: Duration) -> Result<bool, VerbsError> {
+        let fd = self.channel_fd().ok_or_else(|| {
+            self.ctx.err(
+                "waiting without a completion channel",
+                io::Error::from(io::ErrorKind::Unsupported),
+            )
+        })?;
+        if !wait_readable(fd, timeout).map_err(|e| self.ctx.err("poll(comp channel)", e))? {
+            return Ok(false);
+        }
+        let mut cq = ptr::null_mut();
+        let mut cq_ctx = ptr::null_mut();
+        // SAFETY: our channel; the fd is readable so this does not block.
+        let rc = unsafe { ffi::ibv_get_cq_event(self.channel, &mut cq, &mut cq_ctx) };
+        if rc != 0 {
+            return Err(self.ctx.err("ibv_get_cq_event", io::Error::last_os_error()));
+        }
+        if self.unacked.fetch_add(1, Ordering::Relaxed) + 1 >= 64 {
+            let n = self.unacked.swap(0, Ordering::Relaxed);
+            if n > 0 {
+                // SAFETY: events taken from this CQ's channel, acknowledged once.
+                unsafe { ffi::ibv_ack_cq_events(self.cq, n) };
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// The far end of an RC connection, as the handshake carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RcEndpoint {
+    /// 24 bits.
+    pub qpn: u32,
+    /// 24 bits: the first PSN the endpoint sends with.
+    pub psn: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// ibv_mtu enum (1 = 256 .. 5 = 4096): the endpoint's port MTU.
+    pub mtu: u32,
+}
+
+/// QP state as ibv_query_qp reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    Reset,
+    Init,
+    Rtr,
+    Rts,
+    Sqd,
+    Sqe,
+    Error,
+    Unknown(u32),
+}
+
+/// RC timing: local ACK timeout 4.096 µs * 2^14 (~67 ms), 7 transport retries, 6 RNR retries
+/// (finite, unlike the kernel's 0/0 and perftest's 7 = forever: a peer whose receive queue
+/// stays empty must end in an error the control plane sees and falls back from).
+const ACK_TIMEOUT: u8 = 14;
+const RETRY_CNT: u8 = 7;
+const RNR_RETRY: u8 = 6;
+/// RNR NAK timer 12 (0.64 ms).
+const MIN_RNR_TIMER: u8 = 12;
+
+/// A reliable-connected queue pair receiving on an SRQ.
+pub struct RcQueuePair {
+    qp: *mut ffi::ibv_qp,
+    port: PortAddress,
+    pub psn: u32,
+    _pd: Arc<ProtectionDomain>,
+    _send_cq: Arc<CompletionQueue>,
+    _recv_cq: Arc<CompletionQueue>,
+    _srq: Arc<SharedReceiveQueue>,
+}
+
+// SAFETY: as Context.
+unsafe impl Send for RcQueuePair {}
+unsafe impl Sync for RcQueuePair {}
+
+impl Drop for RcQueuePair {
+    fn drop(&mut self) {
+        // SAFETY: created here, destroyed once; the CQs, SRQ and PD it uses are fields, alive.
+        unsafe { ffi::ibv_destroy_qp(self.qp) };
+    }
+}
+
+impl RcQueuePair {
+    /// An RC QP on `srq`, its sends completing on `send_cq`, its receives on `recv_cq`, moved
+    /// to INIT on `port`. `psn` is the first PSN it will send with (24 bits).
+    pub fn create(
+        pd: &Arc<ProtectionDomain>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
+        srq: &Arc<SharedReceiveQueue>,
+        port: PortAddress,
+        max_send_wr: u32,
+        psn: u32,
+    ) -> Result<Self, VerbsError> {
+        let mut init = ffi::ibv_qp_init_attr {
+            qp_context: ptr::null_mut(),
+            send_cq: send_cq.cq,
+            recv_cq: recv_cq.cq,
+            srq: srq.srq,
+            cap: ffi::ibv_qp_cap {
+                max_send_wr,
+                max_recv_wr: 0,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 1,
+        };
+        // SAFETY: valid PD, CQs and SRQ, all kept alive by the QP's fields.
+        let qp = unsafe { ffi::ibv_create_qp(pd.pd, &mut init) };
+        if qp.is_null() {
+            return Err(pd.ctx.err("ibv_create_qp", io::Error::last_os_error()));
+        }
+        let q = Self {
+            qp,
+            port,
+            psn: psn & 0xff_ffff,
+            _pd: pd.clone(),
+            _send_cq: send_cq.clone(),
+            _recv_cq: recv_cq.clone(),
+            _srq: srq.clone(),
+        };
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: port.port,
+            qp_access_flags: 0,
+            ..Default::default()
+        };
+        use ffi::ibv_qp_attr_mask as M;
+        q.modify(
+            &mut attr,
+            M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS,
+            "ibv_modify_qp(INIT)",
+        )?;
+        Ok(q)
+    }
+
+    fn ctx(&self) -> &Context {
+        &self._pd.ctx
+    }
+
+    fn modify(
+        &self,
+        attr: &mut ffi::ibv_qp_attr,
+        mask: ffi::ibv_qp_attr_mask,
+        what: &'static str,
+    ) -> Result<(), VerbsError> {
+        // SAFETY: valid QP and attributes.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        self.ctx().check(what, rc)
+    }
+
+    pub fn qpn(&self) -> u32 {
+        // SAFETY: valid QP; qp_num is plain data.
+        unsafe { (*self.qp).qp_num }
+    }
+
+    /// This end, for the handshake.
+    pub fn endpoint(&self) -> RcEndpoint {
+        RcEndpoint {
+            qpn: self.qpn(),
+            psn: self.psn,
+            lid: self.port.lid,
+            gid: self.port.gid,
+            mtu: self.port.active_mtu,
+        }
+    }
+
+    /// The path MTU with `remote` (the smaller port MTU), in bytes.
+    pub fn path_mtu(&self, remote: &RcEndpoint) -> u32 {
+        mtu_bytes(self.port.active_mtu.min(remote.mtu))
+    }
+
+    /// INIT -> RTR -> RTS towards `remote`.
+    pub fn connect(&self, remote: &RcEndpoint) -> Result<(), VerbsError> {
+        use ffi::ibv_qp_attr_mask as M;
+        let global = self.port.ethernet || remote.lid == 0;
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+            path_mtu: self.port.active_mtu.min(remote.mtu),
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: MIN_RNR_TIMER,
+            ah_attr: ffi::ibv_ah_attr {
+                grh: ffi::ibv_global_route {
+                    dgid: ffi::ibv_gid { raw: remote.gid },
+                    flow_label: 0,
+                    sgid_index: self.port.gid_index,
+                    hop_limit: if global { 64 } else { 0 },
+                    traffic_class: 0,
+                },
+                dlid: remote.lid,
+                sl: 0,
+                src_path_bits: 0,
+                static_rate: 0,
+                is_global: global as u8,
+                port_num: self.port.port,
+            },
+            ..Default::default()
+        };
+        self.modify(
+            &mut attr,
+            M::IBV_QP_STATE
+                | M::IBV_QP_AV
+                | M::IBV_QP_PATH_MTU
+                | M::IBV_QP_DEST_QPN
+                | M::IBV_QP_RQ_PSN
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC
+                | M::IBV_QP_MIN_RNR_TIMER,
+            "ibv_modify_qp(RTR)",
+        )?;
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+            timeout: ACK_TIMEOUT,
+            retry_cnt: RETRY_CNT,
+            rnr_retry: RNR_RETRY,
+            sq_psn: self.psn,
+            max_rd_atomic: 1,
+            ..Default::default()
+        };
+        self.modify(
+            &mut attr,
+            M::IBV_QP_STATE
+                | M::IBV_QP_TIMEOUT
+                | M::IBV_QP_RETRY_CNT
+                | M::IBV_QP_RNR_RETRY
+                | M::IBV_QP_SQ_PSN
+                | M::IBV_QP_MAX_QP_RD_ATOMIC,
+            "ibv_modify_qp(RTS)",
+        )
+    }
+
+    /// Moves the QP to the error state: outstanding work completes as flushed, so buffers can
+    /// be reclaimed before the QP is destroyed.
+    pub fn to_error(&self) -> Result<(), VerbsError> {
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_ERR,
+            ..Default::default()
+        };
+        self.modify(
+            &mut attr,
+            ffi::ibv_qp_attr_mask::IBV_QP_STATE,
+            "ibv_modify_qp(ERR)",
+        )
+    }
+
+    pub fn state(&self) -> Result<QpState, VerbsError> {
+        let mut attr = ffi::ibv_qp_attr::default();
+        let mut init = ffi::ibv_qp_init_attr::default();
+        // SAFETY: valid QP and out pointers.
+        let rc = unsafe {
+            ffi::ibv_query_qp(
+                self.qp,
+                &mut attr,
+                ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+                &mut init,
+            )
+        };
+        self.ctx().check("ibv_query_qp", rc)?;
+        use ffi::ibv_qp_state as S;
+        Ok(match attr.qp_state {
+            S::IBV_QPS_RESET => QpState::Reset,
+            S::IBV_QPS_INIT => QpState::Init,
+            S::IBV_QPS_RTR => QpState::Rtr,
+            S::IBV_QPS_RTS => QpState::Rts,
+            S::IBV_QPS_SQD => QpState::Sqd,
+            S::IBV_QPS_SQE => QpState::Sqe,
+            S::IBV_QPS_ERR => QpState::Error,
+            other => QpState::Unknown(other),
+        })
+    }
+
+    /// Posts one signaled SEND of the first `len` bytes of `region`'s slot `slot`
+    /// (wr_id = `wr_id`). The slot must stay untouched until the send completes.
+    pub fn post_send(
+        &self,
+        region: &MemoryRegion,
+        slot: u32,
+        len: u32,
+        wr_id: u64,
+    ) -> Result<(), VerbsError> {
+        if slot >= region.count || len as u64 > region.stride {
+            return Err(self.ctx().err(
+                "post_send: slot or length out of the region",
+                io::Error::from(io::ErrorKind::InvalidInput),
+            ));
+        }
+        let mut sge = region.sge(slot, len);
+        let mut wr = ffi::ibv_send_wr {
+            wr_id,
+            next: ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: valid QP; wr and sge outlive the call; the region is registered on this PD.
+        let rc = unsafe {
+            let ctx = (*self.qp).context;
+            match (*ctx).ops.post_send {
+                Some(f) => f(self.qp, &mut wr, &mut bad),
+                None => libc::EOPNOTSUPP,
+            }
+        };
+        self.ctx().check("post_send", rc)
+    }
+}
