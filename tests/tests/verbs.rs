@@ -5,7 +5,10 @@
 
 use std::{collections::HashMap, process::Command};
 
-use ipoib_tests::lab::ctl_path;
+use ipoib_tests::{
+    cmlab::{rdma_resources, rxe_device},
+    lab::ctl_path,
+};
 
 fn required() -> bool {
     std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
@@ -16,42 +19,6 @@ fn sh(args: &[&str]) -> std::process::Output {
         .args(&args[1..])
         .output()
         .expect(args[0])
-}
-
-/// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
-fn rxe_device() -> Option<String> {
-    let caps = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
-    if caps.status.success() {
-        let v: serde_json::Value = serde_json::from_slice(&caps.stdout).ok()?;
-        return v["devices"][0]["device"]["name"]
-            .as_str()
-            .map(str::to_string);
-    }
-    if !sh(&["modprobe", "rdma_rxe"]).status.success() {
-        return None;
-    }
-    let _ = sh(&[
-        "ip", "link", "add", "rxev0", "type", "veth", "peer", "name", "rxev1",
-    ]);
-    sh(&["ip", "link", "set", "rxev0", "up"]);
-    sh(&["ip", "link", "set", "rxev1", "up"]);
-    let out = sh(&[
-        "rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "rxev0",
-    ]);
-    assert!(
-        out.status.success() || String::from_utf8_lossy(&out.stderr).contains("exist"),
-        "rdma link add: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The port goes active once the netdev is up.
-    for _ in 0..50 {
-        let d = sh(&["ibv_devinfo", "-d", "rxe0"]);
-        if String::from_utf8_lossy(&d.stdout).contains("PORT_ACTIVE") {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    Some("rxe0".into())
 }
 
 /// `key: value` lines of `ibv_devinfo -v`, device part and port 1 part.
@@ -159,21 +126,6 @@ fn discovery_matches_ibv_devinfo() {
     );
 }
 
-/// `rdma resource show` counts for `dev` (pd, cq, qp, mr, srq, ...).
-fn rdma_resources(dev: &str) -> HashMap<String, u64> {
-    let out = sh(&["rdma", "resource", "show"]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .find(|l| l.contains(&format!("{dev}:")))
-        .unwrap_or_else(|| panic!("no {dev} in rdma resource show: {text}"));
-    let words: Vec<&str> = line.split_whitespace().collect();
-    words
-        .windows(2)
-        .filter_map(|w| Some((w[0].to_string(), w[1].parse::<u64>().ok()?)))
-        .collect()
-}
-
 /// An SRQ sized by the memory plan: every buffer posted, the limit event armed, and after
 /// teardown the kernel holds no PD, MR or SRQ of ours (counted).
 #[test]
@@ -205,7 +157,7 @@ fn srq_from_the_plan_is_filled_and_freed() {
         let pd = d.alloc_pd().unwrap();
         let srq =
             SharedReceiveQueue::create(&pd, depth, p.buffer_bytes as u32, p.buffer_cost).unwrap();
-        assert_eq!(srq.posted, depth);
+        assert_eq!(srq.posted(), depth);
         let attr = srq.query().unwrap();
         assert!(attr.max_wr >= depth, "{attr:?}");
         assert_eq!(attr.srq_limit, depth / 4, "{attr:?}");

@@ -59,7 +59,7 @@ enum Cmd {
     /// verbs tests inside it: the programs must verify and behave the same on the older kernel
     /// (egress attaches through netlink clsact there), and verbs run on soft-RoCE.
     VmTest {
-        /// Only these test targets (fastpath, lab, verbs); all by default.
+        /// Only these test targets (fastpath, lab, verbs, cm); all by default.
         targets: Vec<String>,
     },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.

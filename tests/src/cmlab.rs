@@ -1,0 +1,269 @@
+//! Two CM nodes on real verbs (soft-RoCE): the resources each node shares across its
+//! connections, and a message pump that moves payloads through them. `cm-node` (the peer
+//! process in the second network namespace) and the tests in `tests/verbs.rs` both use it.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::lab::ctl_path;
+use ipoib_ctl::{
+    cm::Resources,
+    plan::{CM_BUF_SIZE, PAGE_SIZE},
+    verbs::{
+        CompletionQueue, Device, MemoryRegion, PortAddress, RcQueuePair, SharedReceiveQueue,
+        discover,
+    },
+};
+
+/// Bytes between receive buffers: one CM message in whole pages.
+pub const STRIDE: u64 = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+
+/// The port's address with the first GID that is set (soft-RoCE: the link-local one).
+pub fn port_address(dev: &Device, port: u8) -> Result<PortAddress> {
+    let caps = discover()?;
+    let d = caps
+        .iter()
+        .find(|d| d.name == dev.name())
+        .context("device vanished")?;
+    let p = d
+        .ports
+        .iter()
+        .find(|p| p.port == port)
+        .context("no such port")?;
+    for idx in 0..p.gid_table_len.min(256) {
+        let a = dev.port_address(port, idx as u8)?;
+        if a.gid != [0; 16] {
+            return Ok(a);
+        }
+    }
+    bail!("{} port {port} has no GID", dev.name())
+}
+
+/// A node's verbs side: one SRQ of `depth` CM-sized receives, one CQ for sends and receives
+/// (with a completion channel), and a region of `send_slots` send buffers.
+pub struct Node {
+    pub dev: Device,
+    pub res: Arc<Resources>,
+    pub cq: Arc<CompletionQueue>,
+    pub send: Arc<MemoryRegion>,
+}
+
+impl Node {
+    pub fn open(dev: &str, depth: u32, send_slots: u32) -> Result<Self> {
+        let dev = Device::open(dev)?;
+        let port = port_address(&dev, 1)?;
+        let pd = dev.alloc_pd()?;
+        let cq = CompletionQueue::create(&dev, depth + send_slots * 2, true)?;
+        let srq = SharedReceiveQueue::create(&pd, depth, CM_BUF_SIZE as u32, STRIDE)?;
+        let send = MemoryRegion::register(&pd, send_slots, STRIDE)?;
+        Ok(Self {
+            res: Arc::new(Resources {
+                pd,
+                send_cq: cq.clone(),
+                recv_cq: cq.clone(),
+                srq,
+                port,
+            }),
+            dev,
+            cq,
+            send,
+        })
+    }
+}
+
+/// A received message.
+#[derive(Debug)]
+pub struct Received {
+    pub qp_num: u32,
+    pub data: Vec<u8>,
+}
+
+/// Moves messages: sends from free send slots, takes receives off the SRQ (copying them out
+/// and posting the buffer again at once), recycles send slots on their completions.
+pub struct Pump {
+    node: Arc<Node>,
+    free: Vec<u32>,
+    pub sent: u64,
+    pub send_errors: Vec<(u32, u32)>,
+}
+
+impl Pump {
+    pub fn new(node: Arc<Node>) -> Self {
+        let free = (0..node.send.count).rev().collect();
+        Self {
+            node,
+            free,
+            sent: 0,
+            send_errors: Vec::new(),
+        }
+    }
+
+    /// Posts `data` on `qp`, waiting for a free send slot if there is none.
+    pub fn send(&mut self, qp: &RcQueuePair, data: &[u8], sink: &mut Vec<Received>) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.free.is_empty() {
+            if Instant::now() > deadline {
+                bail!("no send slot came free in 10 s");
+            }
+            self.progress(sink, Duration::from_millis(50))?;
+        }
+        let slot = self.free.pop().unwrap();
+        // SAFETY: the slot is free (not posted) until its send completes.
+        unsafe { self.node.send.slot(slot)[..data.len()].copy_from_slice(data) };
+        qp.post_send(&self.node.send, slot, data.len() as u32, slot as u64)?;
+        Ok(())
+    }
+
+    /// Takes completions, waiting on the channel up to `wait` when there are none: receives go
+    /// to `sink` (buffers posted again), sends free their slot.
+    pub fn progress(&mut self, sink: &mut Vec<Received>, wait: Duration) -> Result<usize> {
+        let mut wcs = Vec::with_capacity(64);
+        let mut n = self.node.cq.poll(&mut wcs, 64)?;
+        if n == 0 && !wait.is_zero() {
+            self.node.cq.arm()?;
+            n = self.node.cq.poll(&mut wcs, 64)?;
+            if n == 0 && self.node.cq.wait(wait)? {
+                n = self.node.cq.poll(&mut wcs, 64)?;
+            }
+        }
+        let srq = &self.node.res.srq;
+        let mut repost = Vec::new();
+        for wc in &wcs {
+            if wc.recv {
+                srq.completed(1);
+                let slot = wc.wr_id as u32;
+                if wc.error.is_none() {
+                    // SAFETY: the receive completed; the slot is ours until posted again.
+                    let data = unsafe { srq.region.slot(slot)[..wc.bytes as usize].to_vec() };
+                    sink.push(Received {
+                        qp_num: wc.qp_num,
+                        data,
+                    });
+                }
+                repost.push(slot);
+            } else {
+                self.free.push(wc.wr_id as u32);
+                match wc.error {
+                    None => self.sent += 1,
+                    Some(status) => self.send_errors.push((wc.qp_num, status)),
+                }
+            }
+        }
+        if !repost.is_empty() {
+            srq.post_slots(&repost)?;
+        }
+        Ok(n)
+    }
+
+    /// Receives until `want` messages are in `sink` or `timeout` passes.
+    pub fn collect(
+        &mut self,
+        sink: &mut Vec<Received>,
+        want: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while sink.len() < want {
+            if Instant::now() > deadline {
+                bail!("{} of {want} messages arrived in {timeout:?}", sink.len());
+            }
+            self.progress(sink, Duration::from_millis(100))?;
+        }
+        Ok(())
+    }
+}
+
+/// QPs by number, for routing completions to their connection.
+pub type QpTable = Arc<Mutex<HashMap<u32, Arc<RcQueuePair>>>>;
+
+/// A deterministic payload: `len` bytes that differ per connection, size and position.
+pub fn pattern(conn: u32, len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9u32 ^ conn.wrapping_mul(0x85eb_ca6b) ^ len as u32;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+/// `rdma resource show` counts for `dev` (pd, cq, qp, mr, srq, ...).
+pub fn rdma_resources(dev: &str) -> HashMap<String, u64> {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show"])
+        .output()
+        .expect("rdma resource show");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("{dev}:")))
+        .unwrap_or_else(|| panic!("no {dev} in rdma resource show: {text}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    words
+        .windows(2)
+        .filter_map(|w| Some((w[0].to_string(), w[1].parse::<u64>().ok()?)))
+        .collect()
+}
+
+fn sh(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect(args[0])
+}
+
+/// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
+pub fn rxe_device() -> Option<String> {
+    let caps = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
+    if caps.status.success() {
+        let v: serde_json::Value = serde_json::from_slice(&caps.stdout).ok()?;
+        return v["devices"][0]["device"]["name"]
+            .as_str()
+            .map(str::to_string);
+    }
+    if !sh(&["modprobe", "rdma_rxe"]).status.success() {
+        return None;
+    }
+    let _ = sh(&[
+        "ip", "link", "add", "rxev0", "type", "veth", "peer", "name", "rxev1",
+    ]);
+    sh(&["ip", "link", "set", "rxev0", "up"]);
+    sh(&["ip", "link", "set", "rxev1", "up"]);
+    let out = sh(&[
+        "rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "rxev0",
+    ]);
+    assert!(
+        out.status.success() || String::from_utf8_lossy(&out.stderr).contains("exist"),
+        "rdma link add: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The port goes active once the netdev is up.
+    for _ in 0..50 {
+        let d = sh(&["ibv_devinfo", "-d", "rxe0"]);
+        if String::from_utf8_lossy(&d.stdout).contains("PORT_ACTIVE") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // RoCE GIDs come from the netdev's IP addresses: make sure it has one, and wait for the
+    // GID table to show a GID.
+    let _ = sh(&["ip", "addr", "add", "10.78.0.1/24", "dev", "rxev0"]);
+    for _ in 0..50 {
+        let any = (0..8).any(|i| {
+            std::fs::read_to_string(format!("/sys/class/infiniband/rxe0/ports/1/gids/{i}"))
+                .is_ok_and(|g| g.trim() != "0000:0000:0000:0000:0000:0000:0000:0000")
+        });
+        if any {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Some("rxe0".into())
+}

@@ -1,0 +1,671 @@
+//! RC connections on real verbs (soft-RoCE in the VM): the handshake over TCP, QPs on one
+//! SRQ, messages with their contents checked, rejection of malformed REQs, crossing REQs,
+//! timeouts and retries, the setup cap, the SRQ limit event, and resources counted back to
+//! where they were.
+//!
+//! Two nodes: this process in the root network namespace and `cm-node` in a second one,
+//! joined by a veth pair for the IP side; both use the one rxe device for RDMA (loopback is
+//! what works on 6.1). The host kernel has no RDMA: there each test skips, loudly;
+//! `cargo xtask vm-test` runs them with IPOIB_REQUIRE_RDMA=1, where skipping fails.
+
+use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    process::{Child, Command, Stdio},
+    sync::{Arc, mpsc},
+    time::{Duration, Instant},
+};
+
+use ipoib_ctl::{
+    cm::{
+        Cm, Connection, HwAddr, RejectReason, SetupConfig, SetupError,
+        wire::{Hello, MSG_LEN, Msg},
+    },
+    verbs::{AsyncEvent, RcEndpoint},
+};
+use ipoib_tests::cmlab::{Node, Pump, Received, pattern, rdma_resources, rxe_device};
+
+fn required() -> bool {
+    std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
+}
+
+/// The rxe device, or None after a loud skip (a failure where RDMA is required).
+fn device(test: &str) -> Option<String> {
+    let dev = rxe_device();
+    if dev.is_none() {
+        assert!(
+            !required(),
+            "IPOIB_REQUIRE_RDMA=1 but no RDMA device could be made"
+        );
+        ipoib_tests::loud_skip(
+            test,
+            "this kernel has no RDMA support; `cargo xtask vm-test` runs it on soft-RoCE",
+        );
+    }
+    dev
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn run(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Namespace `NAME-b` joined to the root namespace by a veth pair: 10.77.N.1 here,
+/// 10.77.N.2 there. Removed on drop.
+struct Netns {
+    name: String,
+    host: String,
+}
+
+impl Netns {
+    fn new(name: &str, subnet: u8) -> Self {
+        let ns = format!("{name}-b");
+        let host = format!("{name}-a");
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        let _ = Command::new("ip").args(["link", "del", &host]).output();
+        run(&["ip", "netns", "add", &ns]);
+        run(&[
+            "ip", "link", "add", &host, "type", "veth", "peer", "name", "cmpeer0",
+        ]);
+        run(&["ip", "link", "set", "cmpeer0", "netns", &ns]);
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("10.77.{subnet}.1/24"),
+            "dev",
+            &host,
+        ]);
+        run(&["ip", "link", "set", &host, "up"]);
+        for cmd in [
+            format!("ip addr add 10.77.{subnet}.2/24 dev cmpeer0"),
+            "ip link set cmpeer0 up".into(),
+            "ip link set lo up".into(),
+        ] {
+            let mut args = vec!["ip", "netns", "exec", &ns];
+            args.extend(cmd.split(' '));
+            run(&args);
+        }
+        Self { name: ns, host }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host])
+            .output();
+    }
+}
+
+/// `cm-node` running in a namespace, its stdout lines on a channel.
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    hw: HwAddr,
+    addr: SocketAddr,
+}
+
+impl Peer {
+    fn start(ns: &Netns, dev: &str, addr: SocketAddr, ud_qpn: u32, extra: &[&str]) -> Self {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_cm-node")])
+            .args(["--device", dev, "--listen", &addr.to_string()])
+            .args(["--ud-qpn", &ud_qpn.to_string()])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                eprintln!("[cm-node] {l}");
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut p = Self {
+            child,
+            lines,
+            hw: HwAddr {
+                gid: [0; 16],
+                ud_qpn,
+            },
+            addr,
+        };
+        let ready = p.expect("ready", Duration::from_secs(20));
+        let gid = ready.split(' ').nth(1).unwrap();
+        for (i, b) in p.hw.gid.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&gid[2 * i..2 * i + 2], 16).unwrap();
+        }
+        p
+    }
+
+    /// The next line that starts with `prefix` (others are skipped).
+    fn expect(&mut self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("cm-node said no `{prefix}` line within {within:?}: {e}"),
+            }
+        }
+    }
+
+    fn kill9(&mut self) {
+        // `ip netns exec` execs the program, so this is cm-node itself.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Waits up to 10 s for the device's resource counts to equal `want` on `keys`.
+fn settle(dev: &str, want: &std::collections::HashMap<String, u64>, keys: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = rdma_resources(dev);
+        let same = keys
+            .iter()
+            .all(|k| now.get(*k).copied().unwrap_or(0) == want.get(*k).copied().unwrap_or(0));
+        if same {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "resources did not return: now {now:?}, want {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+const COUNTED: &[&str] = &["pd", "cq", "qp", "mr", "srq"];
+const CONNS: u32 = 64;
+const SIZES: &[usize] = &[1, 2, 63, 1024, 4095, 4096, 4097, 32768, 65519, 65520];
+
+/// 64 RC connections on one SRQ each side; every size from 1 byte to 65520 bytes echoed with
+/// its contents checked; a connection closed here is noticed there; the peer killed is noticed
+/// here; and afterwards the device holds no QP, CQ, MR, SRQ or PD of either node.
+#[test]
+fn many_connections_share_one_srq_and_move_checked_messages() {
+    let Some(dev) = device("many_connections_share_one_srq_and_move_checked_messages") else {
+        return;
+    };
+    let ns = Netns::new("cmt1", 1);
+    let baseline = rdma_resources(&dev);
+    let mut peer = Peer::start(&ns, &dev, "10.77.1.2:4755".parse().unwrap(), 0x48, &[]);
+    let node = Arc::new(Node::open(&dev, 1024, 256).unwrap());
+    let cfg = SetupConfig {
+        max_concurrent: 8,
+        ..SetupConfig::default()
+    };
+    // 64 local endpoints (UD QPNs 0x100..) on one SRQ: to the peer, 64 distinct neighbours.
+    let cms: Vec<Arc<Cm>> = (0..CONNS)
+        .map(|i| Arc::new(Cm::new(node.res.clone(), 0x100 + i, cfg.clone())))
+        .collect();
+    let rt = rt();
+    let (peer_addr, peer_hw) = (peer.addr, peer.hw);
+    let mut conns: Vec<Connection> = rt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for (i, cm) in cms.iter().enumerate() {
+            let cm = cm.clone();
+            set.spawn(async move { (i, cm.connect(peer_addr, peer_hw).await) });
+        }
+        let mut v: Vec<(usize, Connection)> = Vec::new();
+        while let Some(r) = set.join_next().await {
+            let (i, c) = r.unwrap();
+            v.push((i, c.unwrap_or_else(|e| panic!("connection {i}: {e}"))));
+        }
+        v.sort_by_key(|(i, _)| *i);
+        v.into_iter().map(|(_, c)| c).collect()
+    });
+    for _ in 0..CONNS {
+        peer.expect("established", Duration::from_secs(10));
+    }
+    for c in &conns {
+        assert_eq!(c.mtu, 65520, "RFC 4755 MTU: 65524 - 4");
+        assert_eq!(c.peer.ud_qpn, 0x48);
+    }
+    let during = rdma_resources(&dev);
+    assert_eq!(
+        during["qp"],
+        baseline.get("qp").copied().unwrap_or(0) + 2 * CONNS as u64,
+        "one QP per connection on each side: {during:?}"
+    );
+    assert_eq!(
+        during["srq"],
+        baseline.get("srq").copied().unwrap_or(0) + 2,
+        "one SRQ per node, whatever the number of connections: {during:?}"
+    );
+
+    // Every size on every connection, echoed; contents checked per connection.
+    let by_qpn: std::collections::HashMap<u32, u32> = conns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.qp.qpn(), i as u32))
+        .collect();
+    let mut pump = Pump::new(node.clone());
+    let mut checked = 0;
+    for &size in SIZES {
+        let mut got: Vec<Received> = Vec::new();
+        for (i, c) in conns.iter().enumerate() {
+            pump.send(&c.qp, &pattern(i as u32, size), &mut got)
+                .unwrap();
+        }
+        pump.collect(&mut got, CONNS as usize, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("size {size}: {e}"));
+        let mut seen = vec![false; CONNS as usize];
+        for m in &got {
+            let i = by_qpn[&m.qp_num];
+            assert_eq!(m.data.len(), size, "connection {i}");
+            assert!(
+                m.data == pattern(i, size),
+                "connection {i}, {size} B: contents differ"
+            );
+            assert!(!seen[i as usize], "two echoes on connection {i}");
+            seen[i as usize] = true;
+            checked += 1;
+        }
+    }
+    assert!(pump.send_errors.is_empty(), "{:?}", pump.send_errors);
+    eprintln!(
+        "{CONNS} connections, {checked} echoes of {} sizes checked; SRQ posted {}",
+        SIZES.len(),
+        node.res.srq.posted()
+    );
+    assert_eq!(node.res.srq.posted(), 1024, "every receive posted again");
+
+    // Closed here: the peer notices and frees its QP.
+    let first = conns.remove(0);
+    first.close();
+    let line = peer.expect("closed", Duration::from_secs(5));
+    assert!(line.starts_with("closed 0x100 "), "{line}");
+
+    // The peer killed: every connection here notices (its control stream ends).
+    peer.kill9();
+    let noticed = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            for c in conns.iter_mut() {
+                c.closed().await;
+            }
+        })
+        .await
+    });
+    assert!(noticed.is_ok(), "the peer's death went unnoticed");
+    for c in conns {
+        c.close();
+    }
+    drop(pump);
+    drop(cms);
+    drop(node);
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// A valid REQ as a hostile or broken client might start from.
+fn req_to(peer: &Peer) -> [u8; MSG_LEN] {
+    Msg::Req(Hello {
+        ud_qpn: 0x77,
+        recv_mtu: 65524,
+        rc: RcEndpoint {
+            qpn: 0x123,
+            psn: 1,
+            lid: 0,
+            gid: peer.hw.gid,
+            mtu: 3,
+        },
+    })
+    .encode()
+}
+
+fn exchange(addr: SocketAddr, bytes: &[u8]) -> Option<Msg> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut b = [0u8; MSG_LEN];
+    match s.read_exact(&mut b) {
+        Ok(()) => Some(Msg::decode(&b).expect("the peer's answer decodes")),
+        Err(_) => None,
+    }
+}
+
+/// Each malformed field gets a REJ naming the class of fault, and costs the peer nothing: no
+/// QP is made for it. A REQ whose RTU never comes costs a QP only until the step timeout.
+#[test]
+fn malformed_requests_are_rejected_and_cost_nothing() {
+    let Some(dev) = device("malformed_requests_are_rejected_and_cost_nothing") else {
+        return;
+    };
+    let ns = Netns::new("cmt2", 2);
+    let mut peer = Peer::start(
+        &ns,
+        &dev,
+        "10.77.2.2:4755".parse().unwrap(),
+        0x48,
+        &["--step-timeout", "0.5", "--depth", "64"],
+    );
+    let ready = rdma_resources(&dev);
+    let good = req_to(&peer);
+    let cases: &[(&str, usize, u8, RejectReason)] = &[
+        ("magic", 0, b'X', RejectReason::Malformed),
+        ("version", 4, 9, RejectReason::Version),
+        ("kind", 5, 7, RejectReason::Malformed),
+        ("reject reason in a REQ", 6, 1, RejectReason::Malformed),
+        ("reserved", 7, 1, RejectReason::Malformed),
+        ("UD QPN high byte", 8, 1, RejectReason::Malformed),
+        ("receive MTU", 12, 0xff, RejectReason::Malformed),
+        ("RC QPN high byte", 16, 1, RejectReason::Malformed),
+        ("PSN high byte", 20, 1, RejectReason::Malformed),
+        ("multicast LID", 24, 0xc0, RejectReason::Malformed),
+        ("port MTU", 26, 9, RejectReason::Malformed),
+        ("reserved after MTU", 27, 1, RejectReason::Malformed),
+        ("multicast GID", 28, 0xff, RejectReason::Malformed),
+        ("trailing reserved", 45, 1, RejectReason::Malformed),
+    ];
+    for &(what, off, val, want) in cases {
+        let mut b = good;
+        b[off] = val;
+        match exchange(peer.addr, &b) {
+            Some(Msg::Rej { reason, ud_qpn, .. }) => {
+                assert_eq!(reason, want, "{what}");
+                assert_eq!(ud_qpn, 0x48, "a REJ carries the sender's UD QPN (RFC 4755)");
+            }
+            other => panic!("{what}: expected a REJ, got {other:?}"),
+        }
+        let line = peer.expect("failed", Duration::from_secs(5));
+        eprintln!("{what}: {line}");
+    }
+    // An RTU where a REQ belongs.
+    let rtu = Msg::Rtu {
+        ud_qpn: 0x77,
+        recv_mtu: 65524,
+    }
+    .encode();
+    assert!(matches!(
+        exchange(peer.addr, &rtu),
+        Some(Msg::Rej {
+            reason: RejectReason::Malformed,
+            ..
+        })
+    ));
+    // Half a message, then EOF; and a client that says nothing: no answer, no QP.
+    assert_eq!(exchange(peer.addr, &good[..20]), None);
+    let t = Instant::now();
+    assert_eq!(exchange(peer.addr, &[]), None);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "a silent client is dropped at the step timeout"
+    );
+    let after = rdma_resources(&dev);
+    assert_eq!(
+        after.get("qp"),
+        ready.get("qp"),
+        "malformed REQs made QPs: {after:?}"
+    );
+
+    // A well-formed REQ that never sends RTU: the peer answers REP with a real QP and frees it
+    // at the step timeout.
+    let mut s = TcpStream::connect(peer.addr).unwrap();
+    s.write_all(&good).unwrap();
+    let mut b = [0u8; MSG_LEN];
+    s.read_exact(&mut b).unwrap();
+    let Msg::Rep(rep) = Msg::decode(&b).unwrap() else {
+        panic!("expected REP");
+    };
+    assert_eq!(rep.ud_qpn, 0x48);
+    assert!(rep.rc.qpn > 1);
+    peer.expect("failed timed out waiting for RTU", Duration::from_secs(5));
+    drop(s);
+    settle(&dev, &ready, &["qp"]);
+}
+
+/// Two nodes in this process on loopback TCP, each with its own SRQ.
+fn two_nodes(
+    dev: &str,
+    cfg_a: SetupConfig,
+    cfg_b: SetupConfig,
+) -> (Arc<Node>, Arc<Cm>, Arc<Node>, Arc<Cm>) {
+    let a = Arc::new(Node::open(dev, 64, 64).unwrap());
+    let b = Arc::new(Node::open(dev, 64, 64).unwrap());
+    let cma = Arc::new(Cm::new(a.res.clone(), 0x10, cfg_a));
+    let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, cfg_b));
+    (a, cma, b, cmb)
+}
+
+type Incoming = tokio::sync::mpsc::UnboundedReceiver<(SocketAddr, Result<Connection, SetupError>)>;
+
+async fn listen(cm: &Arc<Cm>) -> (SocketAddr, Incoming) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(cm.clone().serve(l, tx));
+    (addr, rx)
+}
+
+/// Both nodes send a REQ at once: the tie-break leaves exactly one connection, the lower
+/// address (A, UD QPN 0x10) accepting B's REQ.
+#[test]
+fn crossing_requests_leave_one_connection() {
+    let Some(dev) = device("crossing_requests_leave_one_connection") else {
+        return;
+    };
+    let baseline = rdma_resources(&dev);
+    let (_a, cma, _b, cmb) = two_nodes(&dev, SetupConfig::default(), SetupConfig::default());
+    rt().block_on(async {
+        let (addr_a, mut in_a) = listen(&cma).await;
+        let (addr_b, mut in_b) = listen(&cmb).await;
+        let (ra, rb) = tokio::join!(
+            cma.connect_once(addr_b, cmb.hwaddr()),
+            cmb.connect_once(addr_a, cma.hwaddr())
+        );
+        eprintln!(
+            "A->B: {:?}; B->A: {:?}",
+            ra.as_ref().err(),
+            rb.as_ref().err()
+        );
+        let (active, passive) = match (ra, rb) {
+            // Crossed: A (lower) accepted B's REQ; B refused A's.
+            (Err(SetupError::Crossed), Ok(c)) => (c, in_a.recv().await.unwrap().1.unwrap()),
+            // Not crossed after all: one REQ arrived before the other was sent.
+            (Ok(c), Err(SetupError::InProgress)) => (c, in_b.recv().await.unwrap().1.unwrap()),
+            (Err(SetupError::InProgress), Ok(c)) => (c, in_a.recv().await.unwrap().1.unwrap()),
+            (ra, rb) => panic!("not one connection: {:?} / {:?}", ra.err(), rb.err()),
+        };
+        assert_eq!(passive.peer.rc.qpn, active.qp.qpn());
+        assert_eq!(active.peer.rc.qpn, passive.qp.qpn());
+        let est = |cm: &Cm| {
+            cm.stats
+                .established
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        assert_eq!(
+            est(&cma) + est(&cmb),
+            2,
+            "one connection, counted once on each side"
+        );
+        let now = rdma_resources(&dev);
+        assert_eq!(
+            now["qp"],
+            baseline.get("qp").copied().unwrap_or(0) + 2,
+            "{now:?}"
+        );
+        // A refused REQ got a REJ crossing, or none was sent; no second connection comes.
+        let more = tokio::time::timeout(Duration::from_millis(300), async {
+            tokio::select! {
+                m = in_a.recv() => m.map(|(_, r)| r.is_ok()),
+                m = in_b.recv() => m.map(|(_, r)| r.is_ok()),
+            }
+        })
+        .await;
+        assert!(
+            !matches!(more, Ok(Some(true))),
+            "a second connection was made"
+        );
+    });
+    drop((cma, cmb));
+    settle(&dev, &baseline, &["qp"]);
+}
+
+/// A listener that accepts and never answers: each attempt times out, transient failures are
+/// retried with doubling backoff a bounded number of times, and no QP outlives its attempt.
+/// A refused TCP connect is retried the same way.
+#[test]
+fn timeouts_are_retried_with_backoff_then_given_up() {
+    let Some(dev) = device("timeouts_are_retried_with_backoff_then_given_up") else {
+        return;
+    };
+    let baseline = rdma_resources(&dev);
+    let cfg = SetupConfig {
+        step_timeout: Duration::from_millis(300),
+        retries: 2,
+        backoff: Duration::from_millis(100),
+        ..SetupConfig::default()
+    };
+    let (_a, cma, _b, cmb) = two_nodes(&dev, cfg, SetupConfig::default());
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mute_addr = mute.local_addr().unwrap();
+    let held = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        mute.set_nonblocking(true).unwrap();
+        let end = Instant::now() + Duration::from_secs(4);
+        while Instant::now() < end {
+            if let Ok((s, _)) = mute.accept() {
+                v.push(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        v.len()
+    });
+    let rt = rt();
+    let t = Instant::now();
+    let r = rt.block_on(cma.connect(mute_addr, cmb.hwaddr()));
+    let took = t.elapsed();
+    assert!(
+        matches!(r, Err(SetupError::Timeout("REP"))),
+        "{:?}",
+        r.err()
+    );
+    // 3 attempts of 300 ms and backoffs of 100 + 200 ms.
+    assert!(
+        took >= Duration::from_millis(1200),
+        "gave up after {took:?}"
+    );
+    assert_eq!(held.join().unwrap(), 3, "one try and two retries");
+    // Nothing listens: refused, retried, given up.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let r = rt.block_on(cma.connect(closed, cmb.hwaddr()));
+    assert!(matches!(r, Err(SetupError::Io(_))), "{:?}", r.err());
+    assert_eq!(
+        cma.stats.failed.load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+    let now = rdma_resources(&dev);
+    assert_eq!(
+        now.get("qp"),
+        baseline.get("qp"),
+        "a failed setup left a QP: {now:?}"
+    );
+}
+
+/// With one setup allowed at a time, a REQ that comes while another setup is under way gets
+/// REJ busy, which the active side treats as transient.
+#[test]
+fn setups_past_the_cap_are_refused_busy() {
+    let Some(dev) = device("setups_past_the_cap_are_refused_busy") else {
+        return;
+    };
+    let cap1 = SetupConfig {
+        max_concurrent: 1,
+        step_timeout: Duration::from_secs(3),
+        ..SetupConfig::default()
+    };
+    let once = SetupConfig {
+        retries: 0,
+        ..SetupConfig::default()
+    };
+    let (_a, cma, _b, cmb) = two_nodes(&dev, once, cap1);
+    rt().block_on(async {
+        let (addr_b, _in_b) = listen(&cmb).await;
+        // A client that connects and says nothing holds B's only setup slot.
+        let _holder = tokio::net::TcpStream::connect(addr_b).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let r = cma.connect(addr_b, cmb.hwaddr()).await;
+        match r {
+            Err(e @ SetupError::Rejected(RejectReason::Busy)) => assert!(e.transient()),
+            other => panic!("expected REJ busy, got {:?}", other.err()),
+        }
+    });
+}
+
+/// The SRQ limit event: receives consumed and not posted again drop the SRQ below its armed
+/// limit (a quarter of the depth) and the HCA says so; posting them again refills it.
+#[test]
+fn srq_limit_event_fires_before_starvation() {
+    let Some(dev) = device("srq_limit_event_fires_before_starvation") else {
+        return;
+    };
+    let (a, cma, b, cmb) = two_nodes(&dev, SetupConfig::default(), SetupConfig::default());
+    let srq = b.res.srq.clone();
+    assert_eq!(srq.query().unwrap().srq_limit, 16);
+    let rt = rt();
+    let (conn, _peer_conn) = rt.block_on(async {
+        let (addr_b, mut in_b) = listen(&cmb).await;
+        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
+        let p = in_b.recv().await.unwrap().1.unwrap();
+        (c, p)
+    });
+    // 50 of B's 64 receives consumed, none posted again: 14 left, under the limit of 16.
+    let mut pa = Pump::new(a.clone());
+    let mut none = Vec::new();
+    for i in 0..50 {
+        pa.send(&conn.qp, &pattern(i, 100), &mut none).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pa.sent < 50 && Instant::now() < deadline {
+        pa.progress(&mut none, Duration::from_millis(100)).unwrap();
+    }
+    assert_eq!(pa.sent, 50, "{:?}", pa.send_errors);
+    let mut ev = None;
+    while ev.is_none() && Instant::now() < deadline {
+        ev = b.dev.async_event(Duration::from_millis(500)).unwrap();
+    }
+    assert_eq!(ev, Some(AsyncEvent::SrqLimitReached));
+    // The limit disarms itself when it fires; refill by taking the completions.
+    assert_eq!(srq.query().unwrap().srq_limit, 0);
+    let mut pb = Pump::new(b.clone());
+    let mut got = Vec::new();
+    pb.collect(&mut got, 50, Duration::from_secs(10)).unwrap();
+    for (i, m) in got.iter().enumerate() {
+        assert!(
+            m.data == pattern(i as u32, 100),
+            "message {i} in order and intact"
+        );
+    }
+    srq.arm_limit(16).unwrap();
+    assert_eq!(srq.posted(), 64);
+}
