@@ -3,7 +3,7 @@
 //! One module per concern: [`datapath`] loads the eBPF object, [`maps`] reads and writes its
 //! maps with the shared types of `ipoib-common`, [`attach`] attaches, adopts and detaches
 //! (pins), [`netdev`] asks the kernel about interfaces, [`policy`] parses and validates policy
-//! changes (pure), [`status`] gathers and renders what the datapath reports, [`clock`] is the
+//! changes (pure), [`promotion`] decides which peers get a CM connection (pure), [`status`] gathers and renders what the datapath reports, [`clock`] is the
 //! clock both sides share, [`verbs`] is the only module that touches verbs and [`cm`] sets up
 //! RC connections with the handshake over the IP path.
 
@@ -15,6 +15,7 @@ pub mod maps;
 pub mod netdev;
 pub mod plan;
 pub mod policy;
+pub mod promotion;
 pub mod signals;
 pub mod status;
 pub mod verbs;

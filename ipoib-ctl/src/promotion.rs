@@ -1,0 +1,929 @@
+//! Who gets a CM connection: promotion, demotion, reaping and fallback, as pure logic.
+//!
+//! The engine feeds in what it sees (per-peer traffic counters, connection outcomes) with the
+//! time, and takes back [`Action`]s to carry out. Nothing here does I/O or reads a clock, so
+//! the same code runs in the engine, in unit tests and in the thousand-node simulation
+//! (`tests/tests/promotion_sim.rs`).
+//!
+//! The rules, in the order [`Promoter::tick`] applies them:
+//! 1. **Demote** a live connection when the mode is `datagram`, the peer is pinned to UD or
+//!    blocked, or it has moved nothing for `idle_after` (and has lived at least `min_hold`:
+//!    hysteresis, a fresh connection is not reaped before it had a chance). A peer pinned to
+//!    CM is never reaped for idleness.
+//! 2. **Retry after failure**: a REJ, a timeout or a QP error sends the peer to UD for a
+//!    backoff that doubles with each failure in a row (`backoff_initial` .. `backoff_max`);
+//!    a connection that lived `min_hold` clears the count.
+//! 3. **Promote** the peers worth it, best first, while the plan has room and the setup rate
+//!    allows (a token bucket, `setups_per_sec` with a burst of `setup_burst`): pinned-CM peers
+//!    first; then, in mode `auto`, peers whose bulk transmit rate (bytes/s of packets averaging
+//!    at least `min_mean_packet` bytes, smoothed) reaches `promote_rate`; in mode `connected`,
+//!    every peer that sent anything within `idle_after`. A peer demoted by us waits
+//!    `min_hold` before it can be promoted again (no flapping).
+//! 4. **Make room** when the plan is full: the least recently active connection is evicted
+//!    for a candidate whose rate is more than twice its own, if it has lived `min_hold` and is
+//!    not pinned. The candidate gets the slot once the eviction completes. A candidate whose
+//!    last setup failed takes only free slots: a peer that never answers evicts nobody.
+
+use std::{collections::BTreeMap, fmt, time::Duration};
+
+use crate::policy::Mode;
+
+/// The knobs, with defaults that need no configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Bulk transmit rate (bytes/s) that makes a peer worth a connection in mode `auto`.
+    pub promote_rate: f64,
+    /// Mean packet size (bytes) over a sample for its bytes to count as bulk.
+    pub min_mean_packet: u64,
+    /// A connection that moved nothing this long is reaped.
+    pub idle_after: Duration,
+    /// The least life of a connection before it is reaped or evicted, and the wait after a
+    /// demotion before the peer can be promoted again.
+    pub min_hold: Duration,
+    /// Connection setups started per second, at most, and the burst allowed.
+    pub setups_per_sec: f64,
+    pub setup_burst: f64,
+    /// Backoff after the first failure in a row, doubled per failure up to `backoff_max`.
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// Weight of the newest sample in the smoothed rate (0..=1).
+    pub smoothing: f64,
+    /// Most connections at once (the memory plan's `max_cm_peers`); draining ones count.
+    pub max_connections: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            promote_rate: 4.0 * 1024.0 * 1024.0,
+            min_mean_packet: u64::from(ipoib_common::DEFAULT_CM_MIN_BYTES),
+            idle_after: Duration::from_secs(30),
+            min_hold: Duration::from_secs(10),
+            setups_per_sec: 50.0,
+            setup_burst: 16.0,
+            backoff_initial: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+            smoothing: 0.5,
+            max_connections: 0,
+        }
+    }
+}
+
+/// An operator's pin on one peer (`set-policy peer=...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pin {
+    #[default]
+    Auto,
+    Ud,
+    Cm,
+    Block,
+}
+
+/// Cumulative counters of one peer, as the fast path and the engine count them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sample {
+    /// Everything sent to the peer (UD and CM), packets and L3 bytes.
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    /// Bytes moved over the peer's connection, both directions.
+    pub cm_bytes: u64,
+}
+
+/// Why a connection failed or ended badly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    Rejected,
+    Timeout,
+    QpError,
+    NoResources,
+}
+
+/// Why we take a connection down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demotion {
+    Datagram,
+    Pinned,
+    Idle,
+    Evicted,
+    Forgotten,
+}
+
+/// What the engine is to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action<K> {
+    /// Set up a connection (the peer's map entry goes CmPending, then CmUp once established).
+    Connect(K),
+    /// Mark the peer UD in the map, then tear its connection down; report [`Promoter::closed`].
+    Disconnect(K, Demotion),
+}
+
+/// Where a peer is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum State {
+    /// On UD; `hold_until`: not promoted again before (after a demotion by us).
+    Ud {
+        hold_until: u64,
+    },
+    Connecting {
+        since: u64,
+    },
+    Up {
+        since: u64,
+    },
+    /// Disconnect asked for, not yet reported closed: still holds its resources.
+    Draining {
+        since: u64,
+        why: Demotion,
+    },
+    /// On UD after a failure, not retried before `until`.
+    Backoff {
+        until: u64,
+        last: Failure,
+    },
+}
+
+/// Why a peer on UD is there (for status).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UdWhy {
+    BelowThreshold,
+    ModeDatagram,
+    Pinned,
+    Hold,
+    PlanFull,
+    SetupRate,
+    NoPlan,
+}
+
+#[derive(Debug, Clone)]
+struct Peer {
+    pin: Pin,
+    state: State,
+    last: Option<(u64, Sample)>,
+    /// Smoothed bulk transmit rate, bytes/s.
+    rate: f64,
+    /// When it last moved bulk data (or any, in mode `connected`), or over its connection.
+    last_active: Option<u64>,
+    failures: u32,
+    why: UdWhy,
+    /// Connections set up for this peer, over its life (flap count).
+    promotions: u64,
+}
+
+impl Peer {
+    fn new() -> Self {
+        Self {
+            pin: Pin::Auto,
+            state: State::Ud { hold_until: 0 },
+            last: None,
+            rate: 0.0,
+            last_active: None,
+            failures: 0,
+            why: UdWhy::BelowThreshold,
+            promotions: 0,
+        }
+    }
+
+    /// Holds connection resources (counts against the plan).
+    fn holds(&self) -> bool {
+        matches!(
+            self.state,
+            State::Connecting { .. } | State::Up { .. } | State::Draining { .. }
+        )
+    }
+}
+
+/// What status shows of one peer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Explain {
+    pub state: State,
+    pub pin: Pin,
+    pub rate: f64,
+    pub failures: u32,
+    pub promotions: u64,
+    /// For a peer on UD (not in backoff): why it is not on CM.
+    pub why: Option<UdWhy>,
+}
+
+impl fmt::Display for Explain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rate = self.rate / 1e6;
+        match self.state {
+            State::Up { .. } => write!(f, "cm: connected ({rate:.1} MB/s bulk)"),
+            State::Connecting { .. } => write!(f, "ud: connecting"),
+            State::Draining { why, .. } => write!(f, "ud: closing ({why:?})"),
+            State::Backoff { last, .. } => write!(
+                f,
+                "ud: retry after {last:?} ({} failure(s) in a row)",
+                self.failures
+            ),
+            State::Ud { .. } => {
+                let why = match self.why.unwrap_or(UdWhy::BelowThreshold) {
+                    UdWhy::BelowThreshold => "traffic below the CM threshold",
+                    UdWhy::ModeDatagram => "mode=datagram",
+                    UdWhy::Pinned => "pinned to UD",
+                    UdWhy::Hold => "recently demoted (hold)",
+                    UdWhy::PlanFull => "memory plan full",
+                    UdWhy::SetupRate => "setup rate limit",
+                    UdWhy::NoPlan => "no connected mode in the plan",
+                };
+                write!(f, "ud: {why} ({rate:.1} MB/s bulk)")
+            }
+        }
+    }
+}
+
+/// Counts by state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counts {
+    pub ud: usize,
+    pub connecting: usize,
+    pub up: usize,
+    pub draining: usize,
+    pub backoff: usize,
+}
+
+impl Counts {
+    /// Connections holding resources.
+    pub fn held(&self) -> usize {
+        self.connecting + self.up + self.draining
+    }
+}
+
+/// The decision state of one interface. Times are monotonic nanoseconds.
+pub struct Promoter<K> {
+    cfg: Config,
+    mode: Mode,
+    peers: BTreeMap<K, Peer>,
+    tokens: f64,
+    last_tick: Option<u64>,
+}
+
+fn ns(d: Duration) -> u64 {
+    d.as_nanos().min(u128::from(u64::MAX)) as u64
+}
+
+impl<K: Ord + Clone> Promoter<K> {
+    pub fn new(cfg: Config, mode: Mode) -> Self {
+        Self {
+            tokens: cfg.setup_burst,
+            cfg,
+            mode,
+            peers: BTreeMap::new(),
+            last_tick: None,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Takes effect at the next tick (mode `datagram` drains every connection).
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+    }
+
+    /// A new plan size; connections above it are not torn down, only not replaced.
+    pub fn set_max_connections(&mut self, n: usize) {
+        self.cfg.max_connections = n;
+    }
+
+    pub fn set_pin(&mut self, key: K, pin: Pin) {
+        self.peers.entry(key).or_insert_with(Peer::new).pin = pin;
+    }
+
+    /// New cumulative counters of a peer. A counter that went backwards (the entry was made
+    /// anew) starts a new baseline.
+    pub fn observe(&mut self, now: u64, key: K, s: Sample) {
+        let cfg = &self.cfg;
+        let p = self.peers.entry(key).or_insert_with(Peer::new);
+        if let Some((t0, s0)) = p.last
+            && now > t0
+            && s.tx_bytes >= s0.tx_bytes
+            && s.tx_packets >= s0.tx_packets
+            && s.cm_bytes >= s0.cm_bytes
+        {
+            let (db, dp) = (s.tx_bytes - s0.tx_bytes, s.tx_packets - s0.tx_packets);
+            let bulk = if dp > 0 && db / dp >= cfg.min_mean_packet {
+                db
+            } else {
+                0
+            };
+            let inst = bulk as f64 / ((now - t0) as f64 / 1e9);
+            p.rate = cfg.smoothing * inst + (1.0 - cfg.smoothing) * p.rate;
+            let moved = s.cm_bytes > s0.cm_bytes;
+            let sent = db > 0 && (bulk > 0 || self.mode == Mode::Connected);
+            if moved || sent {
+                p.last_active = Some(now);
+            }
+        }
+        p.last = Some((now, s));
+    }
+
+    /// The peer is gone (its neighbour entry expired): a connection is taken down, and the
+    /// peer is dropped once it holds nothing.
+    pub fn forget(&mut self, now: u64, key: &K) -> Option<Action<K>> {
+        let p = self.peers.get_mut(key)?;
+        match p.state {
+            State::Up { .. } => {
+                p.state = State::Draining {
+                    since: now,
+                    why: Demotion::Forgotten,
+                };
+                Some(Action::Disconnect(key.clone(), Demotion::Forgotten))
+            }
+            State::Connecting { .. } | State::Draining { .. } => None,
+            _ => {
+                self.peers.remove(key);
+                None
+            }
+        }
+    }
+
+    /// The connection asked for is established.
+    pub fn connected(&mut self, now: u64, key: &K) {
+        if let Some(p) = self.peers.get_mut(key)
+            && matches!(p.state, State::Connecting { .. })
+        {
+            p.state = State::Up { since: now };
+            p.last_active = Some(now);
+        }
+    }
+
+    /// A setup failed, or a live connection broke (QP error, peer gone). The peer is on UD
+    /// until its backoff ends.
+    pub fn failed(&mut self, now: u64, key: &K, why: Failure) {
+        let cfg = &self.cfg;
+        if let Some(p) = self.peers.get_mut(key) {
+            if let State::Up { since } = p.state
+                && now.saturating_sub(since) >= ns(cfg.min_hold)
+            {
+                // It worked for a while: this is a new run of failures.
+                p.failures = 0;
+            }
+            p.failures = p.failures.saturating_add(1);
+            let shift = (p.failures - 1).min(20);
+            let backoff = ns(cfg.backoff_initial)
+                .saturating_mul(1 << shift)
+                .min(ns(cfg.backoff_max));
+            p.state = State::Backoff {
+                until: now + backoff,
+                last: why,
+            };
+        }
+    }
+
+    /// A connection ended without error: after our Disconnect, or closed by the peer.
+    pub fn closed(&mut self, now: u64, key: &K) {
+        let hold = ns(self.cfg.min_hold);
+        if let Some(p) = self.peers.get_mut(key) {
+            match p.state {
+                State::Draining { why, .. } => {
+                    if why == Demotion::Forgotten {
+                        self.peers.remove(key);
+                        return;
+                    }
+                    p.failures = 0;
+                    p.state = State::Ud {
+                        hold_until: now + hold,
+                    };
+                }
+                State::Up { .. } | State::Connecting { .. } => {
+                    p.state = State::Ud {
+                        hold_until: now + hold,
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Applies the rules (module docs) at time `now` and returns what to do.
+    pub fn tick(&mut self, now: u64) -> Vec<Action<K>> {
+        let cfg = self.cfg.clone();
+        let mode = self.mode;
+        let dt = self.last_tick.map_or(0, |t| now.saturating_sub(t));
+        self.last_tick = Some(now);
+        self.tokens =
+            (self.tokens + cfg.setups_per_sec * dt as f64 / 1e9).min(cfg.setup_burst.max(1.0));
+        let mut actions = Vec::new();
+
+        // 1. Demotions; 2. backoffs that ended.
+        for (k, p) in self.peers.iter_mut() {
+            match p.state {
+                State::Up { since } => {
+                    let why = if mode == Mode::Datagram {
+                        Some(Demotion::Datagram)
+                    } else if matches!(p.pin, Pin::Ud | Pin::Block) {
+                        Some(Demotion::Pinned)
+                    } else if p.pin != Pin::Cm
+                        && now.saturating_sub(p.last_active.unwrap_or(0)) >= ns(cfg.idle_after)
+                        && now.saturating_sub(since) >= ns(cfg.min_hold)
+                    {
+                        Some(Demotion::Idle)
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        p.state = State::Draining { since: now, why };
+                        actions.push(Action::Disconnect(k.clone(), why));
+                    }
+                }
+                State::Backoff { until, .. } if now >= until => {
+                    p.state = State::Ud { hold_until: 0 };
+                }
+                _ => {}
+            }
+        }
+
+        // 3. Promotions, best first.
+        let idle = ns(cfg.idle_after);
+        // (peer, pinned, rate, may evict): a peer whose last setup failed takes only free
+        // slots, so a peer that never answers cannot churn the others out.
+        let mut candidates: Vec<(&K, bool, f64, bool)> = Vec::new();
+        for (k, p) in self.peers.iter_mut() {
+            let State::Ud { hold_until } = p.state else {
+                continue;
+            };
+            let pinned = p.pin == Pin::Cm;
+            let worth = pinned
+                || match mode {
+                    Mode::Auto => p.rate >= cfg.promote_rate,
+                    Mode::Connected => p.last_active.is_some_and(|t| now.saturating_sub(t) < idle),
+                    Mode::Datagram => false,
+                };
+            p.why = if mode == Mode::Datagram {
+                UdWhy::ModeDatagram
+            } else if matches!(p.pin, Pin::Ud | Pin::Block) {
+                UdWhy::Pinned
+            } else if !worth {
+                UdWhy::BelowThreshold
+            } else if now < hold_until && !pinned {
+                UdWhy::Hold
+            } else if cfg.max_connections == 0 {
+                UdWhy::NoPlan
+            } else {
+                candidates.push((k, pinned, p.rate, p.failures == 0));
+                continue;
+            };
+        }
+        candidates.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)));
+        let candidates: Vec<(K, bool, f64, bool)> = candidates
+            .into_iter()
+            .map(|(k, pinned, r, e)| (k.clone(), pinned, r, e))
+            .collect();
+        let mut held = self.peers.values().filter(|p| p.holds()).count();
+        // Slots on their way back: a candidate waits for one before anything more is evicted.
+        let mut freeing = self
+            .peers
+            .values()
+            .filter(|p| matches!(p.state, State::Draining { .. }))
+            .count();
+        for (k, pinned, rate, may_evict) in candidates {
+            let why = if held >= cfg.max_connections && (freeing > 0 || !may_evict) {
+                freeing = freeing.saturating_sub(1);
+                UdWhy::PlanFull
+            } else if held >= cfg.max_connections {
+                // 4. Make room: evict the least recently active connection, if clearly worse.
+                let victim = self
+                    .peers
+                    .iter()
+                    .filter(|(_, v)| {
+                        matches!(v.state, State::Up { since } if now.saturating_sub(since) >= ns(cfg.min_hold))
+                            && v.pin == Pin::Auto
+                            && (pinned || v.rate * 2.0 < rate)
+                    })
+                    .min_by_key(|(_, v)| v.last_active)
+                    .map(|(vk, _)| vk.clone());
+                if let Some(vk) = victim {
+                    let v = self.peers.get_mut(&vk).expect("victim");
+                    v.state = State::Draining {
+                        since: now,
+                        why: Demotion::Evicted,
+                    };
+                    actions.push(Action::Disconnect(vk, Demotion::Evicted));
+                }
+                UdWhy::PlanFull
+            } else if self.tokens < 1.0 {
+                UdWhy::SetupRate
+            } else {
+                self.tokens -= 1.0;
+                held += 1;
+                let p = self.peers.get_mut(&k).expect("candidate");
+                p.state = State::Connecting { since: now };
+                p.promotions += 1;
+                actions.push(Action::Connect(k));
+                continue;
+            };
+            self.peers.get_mut(&k).expect("candidate").why = why;
+        }
+        actions
+    }
+
+    pub fn explain(&self, key: &K) -> Option<Explain> {
+        self.peers.get(key).map(|p| Explain {
+            state: p.state,
+            pin: p.pin,
+            rate: p.rate,
+            failures: p.failures,
+            promotions: p.promotions,
+            why: matches!(p.state, State::Ud { .. }).then_some(p.why),
+        })
+    }
+
+    pub fn counts(&self) -> Counts {
+        let mut c = Counts::default();
+        for p in self.peers.values() {
+            match p.state {
+                State::Ud { .. } => c.ud += 1,
+                State::Connecting { .. } => c.connecting += 1,
+                State::Up { .. } => c.up += 1,
+                State::Draining { .. } => c.draining += 1,
+                State::Backoff { .. } => c.backoff += 1,
+            }
+        }
+        c
+    }
+
+    /// Every peer and its state, in key order.
+    pub fn peers(&self) -> impl Iterator<Item = (&K, State)> {
+        self.peers.iter().map(|(k, p)| (k, p.state))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+    const MB: u64 = 1_000_000;
+
+    fn cfg(max: usize) -> Config {
+        Config {
+            max_connections: max,
+            ..Config::default()
+        }
+    }
+
+    /// Feeds `secs` one-second samples of `rate` bytes/s in `pkt`-byte packets to `k`,
+    /// ticking after each; returns every action and the time reached.
+    struct Sim {
+        p: Promoter<u32>,
+        now: u64,
+        totals: BTreeMap<u32, Sample>,
+    }
+
+    impl Sim {
+        fn new(cfg: Config, mode: Mode) -> Self {
+            Self {
+                p: Promoter::new(cfg, mode),
+                now: 0,
+                totals: BTreeMap::new(),
+            }
+        }
+
+        /// One second: each (peer, bytes/s, packet size, bytes over its connection).
+        fn second(&mut self, traffic: &[(u32, u64, u64, u64)]) -> Vec<Action<u32>> {
+            self.now += S;
+            for &(k, rate, pkt, cm) in traffic {
+                let t = self.totals.entry(k).or_default();
+                t.tx_bytes += rate;
+                t.tx_packets += rate.div_ceil(pkt.max(1));
+                t.cm_bytes += cm;
+                self.p.observe(self.now, k, *t);
+            }
+            self.p.tick(self.now)
+        }
+
+        fn state(&self, k: u32) -> State {
+            self.p.explain(&k).unwrap().state
+        }
+    }
+
+    #[test]
+    fn bulk_traffic_is_promoted_and_small_packets_are_not() {
+        let mut s = Sim::new(cfg(8), Mode::Auto);
+        s.second(&[
+            (1, 50 * MB, 65000, 0),
+            (2, 50 * MB, 100, 0),
+            (3, MB, 9000, 0),
+        ]);
+        let a = s.second(&[
+            (1, 50 * MB, 65000, 0),
+            (2, 50 * MB, 100, 0),
+            (3, MB, 9000, 0),
+        ]);
+        assert_eq!(a, vec![Action::Connect(1)]);
+        assert!(matches!(s.state(1), State::Connecting { .. }));
+        // Many small packets are no reason for CM, however many bytes; a slow bulk flow
+        // is below the threshold.
+        let e2 = s.p.explain(&2).unwrap();
+        assert_eq!(e2.why, Some(UdWhy::BelowThreshold));
+        assert_eq!(e2.rate, 0.0);
+        assert_eq!(s.p.explain(&3).unwrap().why, Some(UdWhy::BelowThreshold));
+        s.p.connected(s.now, &1);
+        assert!(matches!(s.state(1), State::Up { .. }));
+        // No second Connect while it is up.
+        assert!(s.second(&[(1, 50 * MB, 65000, 50 * MB)]).is_empty());
+    }
+
+    #[test]
+    fn the_rate_is_smoothed_so_one_burst_does_not_promote() {
+        let mut c = cfg(8);
+        c.promote_rate = 10.0 * MB as f64;
+        let mut s = Sim::new(c, Mode::Auto);
+        s.second(&[(1, 0, 1500, 0)]);
+        // 12 MB in one second after silence: smoothed to 6 MB/s, below 10.
+        assert!(s.second(&[(1, 12 * MB, 9000, 0)]).is_empty());
+        assert!(s.second(&[(1, 0, 9000, 0)]).is_empty());
+        // Sustained, it crosses.
+        let mut promoted = false;
+        for _ in 0..5 {
+            promoted |= !s.second(&[(1, 12 * MB, 9000, 0)]).is_empty();
+        }
+        assert!(promoted);
+    }
+
+    #[test]
+    fn idle_connections_are_reaped_after_idle_after_but_not_before_min_hold() {
+        let mut c = cfg(8);
+        c.idle_after = Duration::from_secs(5);
+        c.min_hold = Duration::from_secs(20);
+        let mut s = Sim::new(c, Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        assert_eq!(
+            s.second(&[(1, 50 * MB, 65000, 0)]),
+            vec![Action::Connect(1)]
+        );
+        s.p.connected(s.now, &1);
+        let up_at = s.now;
+        // Silent from now on: idle after 5 s, but held for 20 s.
+        let mut reaped_at = None;
+        for _ in 0..40 {
+            let a = s.second(&[(1, 0, 1, 0)]);
+            if a == vec![Action::Disconnect(1, Demotion::Idle)] {
+                reaped_at = Some(s.now);
+                break;
+            }
+            assert!(a.is_empty(), "{a:?}");
+        }
+        assert_eq!(reaped_at, Some(up_at + 20 * S));
+        assert!(matches!(s.state(1), State::Draining { .. }));
+        s.p.closed(s.now, &1);
+        // Traffic again at once: held back for min_hold, then promoted.
+        let mut again = None;
+        for i in 1..=30 {
+            if s.second(&[(1, 50 * MB, 65000, 0)]) == vec![Action::Connect(1)] {
+                again = Some(i);
+                break;
+            }
+            assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::Hold));
+        }
+        assert_eq!(again, Some(20));
+    }
+
+    #[test]
+    fn traffic_over_the_connection_keeps_it() {
+        let mut c = cfg(8);
+        c.idle_after = Duration::from_secs(5);
+        c.min_hold = Duration::from_secs(1);
+        let mut s = Sim::new(c, Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        s.p.connected(s.now, &1);
+        // The peer sends to us over the connection; we send nothing.
+        for _ in 0..30 {
+            assert!(s.second(&[(1, 0, 1, MB)]).is_empty());
+        }
+        assert!(matches!(s.state(1), State::Up { .. }));
+    }
+
+    #[test]
+    fn failures_back_off_exponentially_up_to_the_cap_and_success_resets() {
+        let mut c = cfg(8);
+        c.backoff_initial = Duration::from_secs(1);
+        c.backoff_max = Duration::from_secs(16);
+        c.min_hold = Duration::from_secs(5);
+        let mut s = Sim::new(c, Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        let mut attempts = Vec::new();
+        for _ in 0..120 {
+            if s.second(&[(1, 50 * MB, 65000, 0)]) == vec![Action::Connect(1)] {
+                attempts.push(s.now / S);
+                s.p.failed(s.now, &1, Failure::Timeout);
+            }
+        }
+        let gaps: Vec<u64> = attempts.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(
+            &gaps[..6],
+            &[1, 2, 4, 8, 16, 16],
+            "attempts at {attempts:?}"
+        );
+        assert_eq!(s.p.explain(&1).unwrap().failures as usize, attempts.len());
+        // A connection that lives min_hold clears the count: the next failure backs off 1 s.
+        while s.second(&[(1, 50 * MB, 65000, 0)]) != vec![Action::Connect(1)] {}
+        s.p.connected(s.now, &1);
+        for _ in 0..6 {
+            s.second(&[(1, 50 * MB, 65000, 50 * MB)]);
+        }
+        s.p.failed(s.now, &1, Failure::QpError);
+        assert_eq!(s.p.explain(&1).unwrap().failures, 1);
+        assert!(matches!(s.state(1), State::Backoff { until, .. } if until == s.now + S));
+    }
+
+    #[test]
+    fn the_plan_caps_connections_and_a_much_busier_peer_evicts_the_least_active() {
+        let mut c = cfg(2);
+        c.min_hold = Duration::from_secs(3);
+        let mut s = Sim::new(c, Mode::Auto);
+        let t = [
+            (1, 20 * MB, 65000, 0),
+            (2, 30 * MB, 65000, 0),
+            (3, 25 * MB, 65000, 0),
+        ];
+        s.second(&t);
+        let a = s.second(&t);
+        assert_eq!(
+            a,
+            vec![Action::Connect(2), Action::Connect(3)],
+            "best first"
+        );
+        s.p.connected(s.now, &2);
+        s.p.connected(s.now, &3);
+        for _ in 0..5 {
+            // Peer 1 is not clearly better than either: no eviction.
+            let a = s.second(&[
+                (1, 20 * MB, 65000, 0),
+                (2, 30 * MB, 65000, 30 * MB),
+                (3, 25 * MB, 65000, 25 * MB),
+            ]);
+            assert!(a.is_empty(), "{a:?}");
+            assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::PlanFull));
+        }
+        // Peer 3 goes quiet and peer 1 speeds up: 3 (the least recently active) is evicted,
+        // once, and 1 takes its slot when it is free.
+        let busy = [
+            (1, 200 * MB, 65000, 0),
+            (2, 30 * MB, 65000, 30 * MB),
+            (3, 0, 1, 0),
+        ];
+        let a = s.second(&busy);
+        assert_eq!(a, vec![Action::Disconnect(3, Demotion::Evicted)]);
+        assert_eq!(
+            s.p.counts().held(),
+            2,
+            "a draining connection still holds its slot"
+        );
+        for _ in 0..3 {
+            assert!(s.second(&busy).is_empty(), "one eviction per candidate");
+        }
+        s.p.closed(s.now, &3);
+        assert_eq!(
+            s.second(&[(1, 200 * MB, 65000, 0)]),
+            vec![Action::Connect(1)]
+        );
+    }
+
+    #[test]
+    fn a_peer_that_failed_evicts_nobody() {
+        let mut c = cfg(1);
+        c.min_hold = Duration::from_secs(1);
+        c.backoff_initial = Duration::from_secs(1);
+        let mut s = Sim::new(c, Mode::Auto);
+        s.second(&[(1, 20 * MB, 65000, 0)]);
+        assert_eq!(
+            s.second(&[(1, 20 * MB, 65000, 0)]),
+            vec![Action::Connect(1)]
+        );
+        s.p.connected(s.now, &1);
+        // Peer 2 is first seen while the plan is full; its failure is made up here.
+        s.p.set_pin(2, Pin::Auto);
+        s.p.failed(s.now, &2, Failure::Timeout);
+        for _ in 0..10 {
+            let a = s.second(&[(1, 20 * MB, 65000, 20 * MB), (2, 900 * MB, 65000, 0)]);
+            assert!(a.is_empty(), "{a:?}");
+        }
+        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::PlanFull));
+    }
+
+    #[test]
+    fn datagram_mode_drains_everything_and_promotes_nothing() {
+        let mut s = Sim::new(cfg(8), Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0), (2, 50 * MB, 65000, 0)]);
+        s.second(&[(1, 50 * MB, 65000, 0), (2, 50 * MB, 65000, 0)]);
+        s.p.connected(s.now, &1);
+        // 2 is still connecting when the mode changes.
+        s.p.set_mode(Mode::Datagram);
+        let a = s.second(&[(1, 50 * MB, 65000, 0), (2, 50 * MB, 65000, 0)]);
+        assert_eq!(a, vec![Action::Disconnect(1, Demotion::Datagram)]);
+        // The setup in flight completes: it is taken down at the next tick.
+        s.p.connected(s.now, &2);
+        let a = s.second(&[(1, 50 * MB, 65000, 0), (2, 50 * MB, 65000, 0)]);
+        assert_eq!(a, vec![Action::Disconnect(2, Demotion::Datagram)]);
+        s.p.closed(s.now, &1);
+        s.p.closed(s.now, &2);
+        for _ in 0..30 {
+            assert!(
+                s.second(&[(1, 50 * MB, 65000, 0), (2, 50 * MB, 65000, 0)])
+                    .is_empty()
+            );
+        }
+        assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::ModeDatagram));
+        assert_eq!(
+            s.p.explain(&1).unwrap().to_string(),
+            "ud: mode=datagram (50.0 MB/s bulk)"
+        );
+    }
+
+    #[test]
+    fn connected_mode_promotes_every_peer_that_talks_within_the_plan() {
+        let mut s = Sim::new(cfg(3), Mode::Connected);
+        let t: Vec<_> = (1..=5).map(|k| (k, 1000, 100, 0)).collect();
+        s.second(&t);
+        let a = s.second(&t);
+        assert_eq!(a.len(), 3, "{a:?}");
+        assert!(a.iter().all(|a| matches!(a, Action::Connect(_))));
+        // A silent peer is not promoted.
+        s.second(&[(9, 0, 1, 0)]);
+        s.second(&[(9, 0, 1, 0)]);
+        assert_eq!(s.p.explain(&9).unwrap().why, Some(UdWhy::BelowThreshold));
+    }
+
+    #[test]
+    fn pins_override_the_traffic() {
+        let mut s = Sim::new(cfg(1), Mode::Auto);
+        s.p.set_pin(7, Pin::Cm);
+        s.p.set_pin(8, Pin::Ud);
+        let a = s.second(&[(8, 500 * MB, 65000, 0)]);
+        assert_eq!(a, vec![Action::Connect(7)], "pinned CM first, even silent");
+        s.second(&[(8, 500 * MB, 65000, 0)]);
+        assert_eq!(s.p.explain(&8).unwrap().why, Some(UdWhy::Pinned));
+        // Pinned CM is never reaped for idleness.
+        s.p.connected(s.now, &7);
+        for _ in 0..100 {
+            assert!(s.second(&[(7, 0, 1, 0)]).is_empty());
+        }
+        // Pinning a live connection to UD takes it down.
+        s.p.set_pin(7, Pin::Ud);
+        assert_eq!(s.second(&[]), vec![Action::Disconnect(7, Demotion::Pinned)]);
+    }
+
+    #[test]
+    fn setups_are_rate_limited() {
+        let mut c = cfg(1000);
+        c.setups_per_sec = 10.0;
+        c.setup_burst = 10.0;
+        let mut s = Sim::new(c, Mode::Auto);
+        let t: Vec<_> = (0..100).map(|k| (k, 50 * MB, 65000, 0)).collect();
+        s.second(&t);
+        let mut per_tick = Vec::new();
+        for _ in 0..5 {
+            per_tick.push(s.second(&t).len());
+        }
+        assert_eq!(per_tick, vec![10, 10, 10, 10, 10]);
+        let waiting = (0..100)
+            .filter(|k| s.p.explain(k).unwrap().why == Some(UdWhy::SetupRate))
+            .count();
+        assert_eq!(waiting, 50);
+    }
+
+    #[test]
+    fn no_plan_means_no_connections() {
+        let mut s = Sim::new(cfg(0), Mode::Connected);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        assert!(s.second(&[(1, 50 * MB, 65000, 0)]).is_empty());
+        assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::NoPlan));
+    }
+
+    #[test]
+    fn counters_that_go_backwards_start_a_new_baseline() {
+        let mut p: Promoter<u32> = Promoter::new(cfg(4), Mode::Auto);
+        let big = Sample {
+            tx_packets: 1_000_000,
+            tx_bytes: 60_000_000_000,
+            cm_bytes: 0,
+        };
+        p.observe(S, 1, big);
+        p.observe(2 * S, 1, Sample::default());
+        assert_eq!(p.explain(&1).unwrap().rate, 0.0);
+    }
+
+    #[test]
+    fn forgetting_a_peer_tears_its_connection_down_then_drops_it() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        s.p.connected(s.now, &1);
+        assert_eq!(
+            s.p.forget(s.now, &1),
+            Some(Action::Disconnect(1, Demotion::Forgotten))
+        );
+        assert_eq!(s.p.counts().draining, 1);
+        s.p.closed(s.now, &1);
+        assert!(s.p.explain(&1).is_none());
+        assert_eq!(s.p.counts(), Counts::default());
+    }
+}
