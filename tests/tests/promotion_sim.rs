@@ -10,6 +10,7 @@ use ipoib_ctl::{
     policy::Mode,
     promotion::{Action, Config, Demotion, Failure, Promoter, Sample, State},
 };
+use ipoib_tests::Rng;
 
 const S: u64 = 1_000_000_000;
 const MB: u64 = 1_000_000;
@@ -18,20 +19,6 @@ const PLAN: usize = 64;
 const BULK: u32 = 100;
 /// Peers whose setups never succeed (a firewall on the handshake port).
 const DEAD: std::ops::Range<u32> = 4000..4010;
-
-/// xorshift: the same run every time.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// What a peer sends in second `t`: (bytes, mean packet size).
 fn traffic(k: u32, t: u64) -> (u64, u64) {
@@ -59,7 +46,7 @@ fn four_thousand_peers_on_a_plan_of_sixty_four() {
     };
     let (burst, per_sec) = (cfg.setup_burst as usize, cfg.setups_per_sec);
     let mut p: Promoter<u32> = Promoter::new(cfg, Mode::Auto);
-    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut rng = Rng::new(0x1234_5678_9abc_def1);
     let mut totals: BTreeMap<u32, Sample> = BTreeMap::new();
     // Outcomes the "engine" will report: (time, peer, Ok(()) = established / Err = failed).
     let mut pending: Vec<(u64, u32, Result<(), Failure>)> = Vec::new();

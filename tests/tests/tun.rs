@@ -1,0 +1,180 @@
+//! The CM engine's TUN device in the running kernel: two network namespaces, each with a TUN
+//! device made by `ipoib_ctl::tun::Tun`, joined by a relay that moves every packet with its
+//! virtio-net header from one to the other as it is, which is what the engine does across an
+//! RC connection. A TCP bulk flow crosses it: the data must arrive intact, and with TSO on the
+//! relay must see whole GSO super-packets far larger than the devices' MTU (one RC message
+//! each, later). Needs root (CI is root); elsewhere it skips loudly.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{TcpListener, TcpStream},
+    os::fd::AsRawFd as _,
+    process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use ipoib_ctl::tun::{TUN_READ_MAX, Tun, VNET_GSO_TCPV4, VnetHdr};
+use ipoib_tests::cmlab::{pattern, run};
+
+const MTU: &str = "1500";
+const BYTES: usize = 32 << 20;
+
+/// Runs `f` on a thread that has entered network namespace `ns`: sockets and TUN devices it
+/// makes live there.
+fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("netns file");
+        // SAFETY: setns on this thread only, with a namespace fd.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .expect("netns thread")
+}
+
+struct Namespaces(Vec<String>);
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+#[derive(Default)]
+struct Seen {
+    packets: AtomicU64,
+    gso: AtomicU64,
+    largest: AtomicU64,
+}
+
+/// Moves packets from `from` to `to` until `stop`, counting what it sees.
+fn relay(from: Arc<Tun>, to: Arc<Tun>, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
+    let mut buf = vec![0u8; TUN_READ_MAX];
+    while !stop.load(Ordering::Relaxed) {
+        let mut pfd = libc::pollfd {
+            fd: from.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, 50) } <= 0 {
+            continue;
+        }
+        let n = match from.recv(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => panic!("read {}: {e}", from.name()),
+        };
+        let hdr = VnetHdr::parse(&buf[..n]).expect("vnet header");
+        seen.packets.fetch_add(1, Ordering::Relaxed);
+        if hdr.gso_type == VNET_GSO_TCPV4 {
+            seen.gso.fetch_add(1, Ordering::Relaxed);
+        }
+        seen.largest.fetch_max(n as u64, Ordering::Relaxed);
+        to.send(&buf[..n]).expect("write into the other TUN");
+    }
+}
+
+#[test]
+fn tcp_crosses_two_tun_devices_as_whole_gso_super_packets() {
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
+            "CI runs as root: this test must run"
+        );
+        ipoib_tests::loud_skip(
+            "tcp_crosses_two_tun_devices_as_whole_gso_super_packets",
+            "needs root (network namespaces, /dev/net/tun)",
+        );
+        return;
+    }
+    let (a, b) = ("tunt-a", "tunt-b");
+    let _ = Command::new("ip").args(["netns", "del", a]).output();
+    let _ = Command::new("ip").args(["netns", "del", b]).output();
+    run(&["ip", "netns", "add", a]);
+    let nss = Namespaces(vec![a.into(), b.into()]);
+    run(&["ip", "netns", "add", b]);
+
+    let ta = Arc::new(in_netns(a, || Tun::create("cm%d", true).expect("TUN in a")));
+    let tb = Arc::new(in_netns(b, || Tun::create("cm%d", true).expect("TUN in b")));
+    for (ns, tun, addr) in [(a, &ta, "10.99.0.1/24"), (b, &tb, "10.99.0.2/24")] {
+        let dev = tun.name().to_string();
+        run(&["ip", "-n", ns, "addr", "add", addr, "dev", &dev]);
+        run(&["ip", "-n", ns, "link", "set", &dev, "mtu", MTU, "up"]);
+        run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ab, ba) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
+    let relays = [
+        {
+            let (f, t, s, n) = (ta.clone(), tb.clone(), stop.clone(), ab.clone());
+            std::thread::spawn(move || relay(f, t, s, n))
+        },
+        {
+            let (f, t, s, n) = (tb.clone(), ta.clone(), stop.clone(), ba.clone());
+            std::thread::spawn(move || relay(f, t, s, n))
+        },
+    ];
+
+    let listener = in_netns(b, || {
+        TcpListener::bind("10.99.0.2:5001").expect("listen in b")
+    });
+    let receiver = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut got = Vec::with_capacity(BYTES);
+        s.read_to_end(&mut got).expect("read the flow");
+        got
+    });
+    let data = pattern(7, BYTES);
+    let sent = data.clone();
+    in_netns(a, move || {
+        let mut s =
+            TcpStream::connect_timeout(&"10.99.0.2:5001".parse().unwrap(), Duration::from_secs(10))
+                .expect("connect across the relay");
+        s.write_all(&sent).expect("send the flow");
+    });
+    let got = receiver.join().expect("receiver");
+    stop.store(true, Ordering::Relaxed);
+    for r in relays {
+        r.join().expect("relay");
+    }
+    assert_eq!(got.len(), BYTES, "bytes arrived");
+    assert!(got == data, "the flow's contents differ");
+
+    let (pk, gso, largest) = (
+        ab.packets.load(Ordering::Relaxed),
+        ab.gso.load(Ordering::Relaxed),
+        ab.largest.load(Ordering::Relaxed),
+    );
+    eprintln!(
+        "a->b: {pk} packets, {gso} GSO TCPv4, largest {largest} B (MTU {MTU}); b->a: {} packets",
+        ba.packets.load(Ordering::Relaxed)
+    );
+    assert!(gso > 0, "no GSO super-packet crossed: TSO is not on");
+    assert!(
+        largest > 16 * 1024,
+        "the largest packet was {largest} B: super-packets are not whole"
+    );
+    assert!(
+        pk < (BYTES / 1448) as u64,
+        "{pk} packets for {BYTES} B: no fewer than MTU-sized segments"
+    );
+
+    // Dropping the last handle removes the device.
+    let name = ta.name().to_string();
+    drop(ta);
+    let out = Command::new("ip")
+        .args(["-n", a, "link", "show", &name])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{name} outlived its handle");
+    drop(nss);
+}
