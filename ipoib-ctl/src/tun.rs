@@ -31,7 +31,7 @@ pub const VNET_GSO_ECN: u8 = 0x80;
 pub enum TunError {
     #[error("`{0}` is not a valid interface name")]
     BadName(String),
-    #[error("opening /dev/net/tun: {0} (is the tun module loaded? are we root?)")]
+    #[error("opening /dev/net/tun: {0} (load the tun module: modprobe tun; and run as root)")]
     Open(#[source] io::Error),
     #[error("{what} on {name}: {source}")]
     Ioctl {

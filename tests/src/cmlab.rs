@@ -4,45 +4,25 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    io::{BufRead as _, BufReader},
+    net::SocketAddr,
+    os::fd::AsRawFd as _,
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex, mpsc},
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 
-use crate::lab::ctl_path;
+use crate::lab::{ctl_path, sibling_exe};
 use ipoib_ctl::{
-    cm::Resources,
+    cm::{HwAddr, Resources},
     plan::{CM_BUF_SIZE, PAGE_SIZE},
-    verbs::{
-        CompletionQueue, Device, MemoryRegion, PortAddress, RcQueuePair, SharedReceiveQueue,
-        discover,
-    },
+    verbs::{CompletionQueue, Device, MemoryRegion, RcQueuePair, SharedReceiveQueue},
 };
 
 /// Bytes between receive buffers: one CM message in whole pages.
 pub const STRIDE: u64 = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-
-/// The port's address with the first GID that is set (soft-RoCE: the link-local one).
-pub fn port_address(dev: &Device, port: u8) -> Result<PortAddress> {
-    let caps = discover()?;
-    let d = caps
-        .iter()
-        .find(|d| d.name == dev.name())
-        .context("device vanished")?;
-    let p = d
-        .ports
-        .iter()
-        .find(|p| p.port == port)
-        .context("no such port")?;
-    for idx in 0..p.gid_table_len.min(256) {
-        let a = dev.port_address(port, idx as u8)?;
-        if a.gid != [0; 16] {
-            return Ok(a);
-        }
-    }
-    bail!("{} port {port} has no GID", dev.name())
-}
 
 /// A node's verbs side: one SRQ of `depth` CM-sized receives, one CQ for sends and receives
 /// (with a completion channel), and a region of `send_slots` send buffers.
@@ -56,7 +36,7 @@ pub struct Node {
 impl Node {
     pub fn open(dev: &str, depth: u32, send_slots: u32) -> Result<Self> {
         let dev = Device::open(dev)?;
-        let port = port_address(&dev, 1)?;
+        let port = dev.first_address(1)?;
         let pd = dev.alloc_pd()?;
         let cq = CompletionQueue::create(&dev, depth + send_slots * 2, true)?;
         let srq = SharedReceiveQueue::create(&pd, depth, CM_BUF_SIZE as u32, STRIDE)?;
@@ -90,6 +70,11 @@ pub struct Pump {
     free: Vec<u32>,
     pub sent: u64,
     pub send_errors: Vec<(u32, u32)>,
+    /// Receives completed without error, and their bytes.
+    pub received: u64,
+    pub received_bytes: u64,
+    /// Copy received messages out to the sink (off: only count them).
+    pub keep: bool,
 }
 
 impl Pump {
@@ -100,6 +85,9 @@ impl Pump {
             free,
             sent: 0,
             send_errors: Vec::new(),
+            received: 0,
+            received_bytes: 0,
+            keep: true,
         }
     }
 
@@ -138,6 +126,10 @@ impl Pump {
                 srq.completed(1);
                 let slot = wc.wr_id as u32;
                 if wc.error.is_none() {
+                    self.received += 1;
+                    self.received_bytes += u64::from(wc.bytes);
+                }
+                if wc.error.is_none() && self.keep {
                     // SAFETY: the receive completed; the slot is ours until posted again.
                     let data = unsafe { srq.region.slot(slot)[..wc.bytes as usize].to_vec() };
                     sink.push(Received {
@@ -267,3 +259,200 @@ pub fn rxe_device() -> Option<String> {
     }
     Some("rxe0".into())
 }
+
+/// Runs a command that must succeed.
+pub fn run(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Namespace `NAME-b` joined to the root namespace by a veth pair: 10.77.N.1 here,
+/// 10.77.N.2 there. Removed on drop.
+pub struct Netns {
+    pub name: String,
+    pub host: String,
+}
+
+impl Netns {
+    pub fn new(name: &str, subnet: u8) -> Self {
+        let ns = format!("{name}-b");
+        let host = format!("{name}-a");
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        let _ = Command::new("ip").args(["link", "del", &host]).output();
+        run(&["ip", "netns", "add", &ns]);
+        run(&[
+            "ip", "link", "add", &host, "type", "veth", "peer", "name", "cmpeer0",
+        ]);
+        run(&["ip", "link", "set", "cmpeer0", "netns", &ns]);
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("10.77.{subnet}.1/24"),
+            "dev",
+            &host,
+        ]);
+        run(&["ip", "link", "set", &host, "up"]);
+        for cmd in [
+            format!("ip addr add 10.77.{subnet}.2/24 dev cmpeer0"),
+            "ip link set cmpeer0 up".into(),
+            "ip link set lo up".into(),
+        ] {
+            let mut args = vec!["ip", "netns", "exec", &ns];
+            args.extend(cmd.split(' '));
+            run(&args);
+        }
+        Self { name: ns, host }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host])
+            .output();
+    }
+}
+
+/// `cm-node` running in a namespace, its stdout lines on a channel.
+pub struct Peer {
+    pub child: Child,
+    pub lines: mpsc::Receiver<String>,
+    pub hw: HwAddr,
+    pub addr: SocketAddr,
+}
+
+impl Peer {
+    pub fn start(ns: &Netns, dev: &str, addr: SocketAddr, ud_qpn: u32, extra: &[&str]) -> Self {
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &ns.name,
+                sibling_exe("cm-node").to_str().expect("utf-8 path"),
+            ])
+            .args(["--device", dev, "--listen", &addr.to_string()])
+            .args(["--ud-qpn", &ud_qpn.to_string()])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if !l.starts_with("received") && !l.starts_with("stats") {
+                    eprintln!("[cm-node] {l}");
+                }
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut p = Self {
+            child,
+            lines,
+            hw: HwAddr {
+                gid: [0; 16],
+                ud_qpn,
+            },
+            addr,
+        };
+        let ready = p.expect("ready", Duration::from_secs(20));
+        let gid = ready.split(' ').nth(1).unwrap();
+        for (i, b) in p.hw.gid.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&gid[2 * i..2 * i + 2], 16).unwrap();
+        }
+        p
+    }
+
+    /// The next line that starts with `prefix` (others are skipped).
+    pub fn expect(&mut self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("cm-node said no `{prefix}` line within {within:?}: {e}"),
+            }
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        // `ip netns exec` execs the program, so this is cm-node itself.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Runs `f` on a thread that has entered network namespace `ns`: sockets and TUN devices it
+/// makes live there.
+pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("netns file");
+        // SAFETY: setns on this thread only, with a namespace fd.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .expect("netns thread")
+}
+
+/// Whether RDMA tests must run (`cargo xtask vm-test` sets IPOIB_REQUIRE_RDMA=1).
+pub fn required() -> bool {
+    std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
+}
+
+/// The rxe device, or None after a loud skip (a failure where RDMA is required).
+pub fn device(test: &str) -> Option<String> {
+    let dev = rxe_device();
+    if dev.is_none() {
+        assert!(
+            !required(),
+            "IPOIB_REQUIRE_RDMA=1 but no RDMA device could be made"
+        );
+        crate::loud_skip(
+            test,
+            "this kernel has no RDMA support; `cargo xtask vm-test` runs it on soft-RoCE",
+        );
+    }
+    dev
+}
+
+/// Waits up to 10 s for the device's resource counts to equal `want` on `keys`.
+pub fn settle(dev: &str, want: &std::collections::HashMap<String, u64>, keys: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = rdma_resources(dev);
+        let same = keys
+            .iter()
+            .all(|k| now.get(*k).copied().unwrap_or(0) == want.get(*k).copied().unwrap_or(0));
+        if same {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "resources did not return: now {now:?}, want {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The verbs resources a node holds.
+pub const COUNTED: &[&str] = &["pd", "cq", "qp", "mr", "srq"];

@@ -41,12 +41,17 @@ pub fn ctl_path() -> PathBuf {
     if let Ok(p) = std::env::var("IPOIB_CTL") {
         return p.into();
     }
+    sibling_exe("ipoib-ctl")
+}
+
+/// A binary of this workspace built beside the running one (a test binary runs from `deps/`).
+pub fn sibling_exe(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let mut dir = exe.parent().expect("exe dir").to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
     }
-    dir.join("ipoib-ctl")
+    dir.join(name)
 }
 
 fn run(cmd: &mut Command) -> Result<Output> {

@@ -9,41 +9,22 @@
 //! `cargo xtask vm-test` runs them with IPOIB_REQUIRE_RDMA=1, where skipping fails.
 
 use std::{
-    io::{BufRead as _, BufReader, Read as _, Write as _},
+    io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
-    process::{Child, Command, Stdio},
-    sync::{Arc, mpsc},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use ipoib_ctl::{
     cm::{
-        Cm, Connection, HwAddr, RejectReason, SetupConfig, SetupError,
+        Cm, Connection, RejectReason, SetupConfig, SetupError,
         wire::{Hello, MSG_LEN, Msg},
     },
     verbs::{AsyncEvent, RcEndpoint},
 };
-use ipoib_tests::cmlab::{Node, Pump, Received, pattern, rdma_resources, rxe_device};
-
-fn required() -> bool {
-    std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
-}
-
-/// The rxe device, or None after a loud skip (a failure where RDMA is required).
-fn device(test: &str) -> Option<String> {
-    let dev = rxe_device();
-    if dev.is_none() {
-        assert!(
-            !required(),
-            "IPOIB_REQUIRE_RDMA=1 but no RDMA device could be made"
-        );
-        ipoib_tests::loud_skip(
-            test,
-            "this kernel has no RDMA support; `cargo xtask vm-test` runs it on soft-RoCE",
-        );
-    }
-    dev
-}
+use ipoib_tests::cmlab::{
+    COUNTED, Netns, Node, Peer, Pump, Received, device, pattern, rdma_resources, settle,
+};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -52,157 +33,6 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-fn run(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Namespace `NAME-b` joined to the root namespace by a veth pair: 10.77.N.1 here,
-/// 10.77.N.2 there. Removed on drop.
-struct Netns {
-    name: String,
-    host: String,
-}
-
-impl Netns {
-    fn new(name: &str, subnet: u8) -> Self {
-        let ns = format!("{name}-b");
-        let host = format!("{name}-a");
-        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
-        let _ = Command::new("ip").args(["link", "del", &host]).output();
-        run(&["ip", "netns", "add", &ns]);
-        run(&[
-            "ip", "link", "add", &host, "type", "veth", "peer", "name", "cmpeer0",
-        ]);
-        run(&["ip", "link", "set", "cmpeer0", "netns", &ns]);
-        run(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("10.77.{subnet}.1/24"),
-            "dev",
-            &host,
-        ]);
-        run(&["ip", "link", "set", &host, "up"]);
-        for cmd in [
-            format!("ip addr add 10.77.{subnet}.2/24 dev cmpeer0"),
-            "ip link set cmpeer0 up".into(),
-            "ip link set lo up".into(),
-        ] {
-            let mut args = vec!["ip", "netns", "exec", &ns];
-            args.extend(cmd.split(' '));
-            run(&args);
-        }
-        Self { name: ns, host }
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.host])
-            .output();
-    }
-}
-
-/// `cm-node` running in a namespace, its stdout lines on a channel.
-struct Peer {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    hw: HwAddr,
-    addr: SocketAddr,
-}
-
-impl Peer {
-    fn start(ns: &Netns, dev: &str, addr: SocketAddr, ud_qpn: u32, extra: &[&str]) -> Self {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_cm-node")])
-            .args(["--device", dev, "--listen", &addr.to_string()])
-            .args(["--ud-qpn", &ud_qpn.to_string()])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, lines) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                eprintln!("[cm-node] {l}");
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut p = Self {
-            child,
-            lines,
-            hw: HwAddr {
-                gid: [0; 16],
-                ud_qpn,
-            },
-            addr,
-        };
-        let ready = p.expect("ready", Duration::from_secs(20));
-        let gid = ready.split(' ').nth(1).unwrap();
-        for (i, b) in p.hw.gid.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&gid[2 * i..2 * i + 2], 16).unwrap();
-        }
-        p
-    }
-
-    /// The next line that starts with `prefix` (others are skipped).
-    fn expect(&mut self, prefix: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
-                Ok(_) => {}
-                Err(e) => panic!("cm-node said no `{prefix}` line within {within:?}: {e}"),
-            }
-        }
-    }
-
-    fn kill9(&mut self) {
-        // `ip netns exec` execs the program, so this is cm-node itself.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-/// Waits up to 10 s for the device's resource counts to equal `want` on `keys`.
-fn settle(dev: &str, want: &std::collections::HashMap<String, u64>, keys: &[&str]) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = rdma_resources(dev);
-        let same = keys
-            .iter()
-            .all(|k| now.get(*k).copied().unwrap_or(0) == want.get(*k).copied().unwrap_or(0));
-        if same {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "resources did not return: now {now:?}, want {want:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-const COUNTED: &[&str] = &["pd", "cq", "qp", "mr", "srq"];
 const CONNS: u32 = 64;
 const SIZES: &[usize] = &[1, 2, 63, 1024, 4095, 4096, 4097, 32768, 65519, 65520];
 

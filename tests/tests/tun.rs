@@ -18,25 +18,10 @@ use std::{
 };
 
 use ipoib_ctl::tun::{TUN_READ_MAX, Tun, VNET_GSO_TCPV4, VnetHdr};
-use ipoib_tests::cmlab::{pattern, run};
+use ipoib_tests::cmlab::{in_netns, pattern, run};
 
 const MTU: &str = "1500";
 const BYTES: usize = 32 << 20;
-
-/// Runs `f` on a thread that has entered network namespace `ns`: sockets and TUN devices it
-/// makes live there.
-fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("netns file");
-        // SAFETY: setns on this thread only, with a namespace fd.
-        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .expect("netns thread")
-}
 
 struct Namespaces(Vec<String>);
 impl Drop for Namespaces {

@@ -21,7 +21,8 @@ use clap::{Parser, Subcommand};
     after_help = "Examples:\n  cargo xtask run            the two-node lab (or attach to ib0 where it exists)\n  \
                   cargo xtask provision      install what builds and tests need\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
-                  cargo xtask bench datapath ns/packet of each program vs a trivial one"
+                  cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
+                  cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -59,7 +60,7 @@ enum Cmd {
     /// verbs tests inside it: the programs must verify and behave the same on the older kernel
     /// (egress attaches through netlink clsact there), and verbs run on soft-RoCE.
     VmTest {
-        /// Only these test targets (fastpath, lab, verbs, cm); all by default.
+        /// Only these test targets (fastpath, lab, verbs, cm, engine); all by default.
         targets: Vec<String>,
     },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
@@ -80,6 +81,22 @@ enum Bench {
         /// Interleaved rounds; the median is reported.
         #[arg(long, default_value_t = 5)]
         rounds: u32,
+    },
+    /// In the soft-RoCE VM: message throughput over 1 RC connection and over N sharing one
+    /// SRQ, beside perftest's ib_send_bw on the same device in the same run, as ratios.
+    Verbs {
+        /// Message size in bytes.
+        #[arg(long, default_value_t = 65520)]
+        size: u32,
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 3)]
+        seconds: u32,
+        /// Interleaved rounds; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// Connections of the many-connection case.
+        #[arg(long, default_value_t = 16)]
+        qps: u32,
     },
 }
 
@@ -125,7 +142,50 @@ fn main() -> Result<()> {
                 .arg(&out)
                 .status_ok("bench-datapath")
         }
+        Cmd::Bench {
+            what:
+                Bench::Verbs {
+                    size,
+                    seconds,
+                    rounds,
+                    qps,
+                },
+        } => bench_verbs(&root, size, seconds, rounds, qps),
     }
+}
+
+/// Builds the benchmark and its peer in release mode, runs them in the VM, and saves the
+/// JSON line the benchmark prints to target/bench/verbs.json.
+fn bench_verbs(root: &Path, size: u32, seconds: u32, rounds: u32, qps: u32) -> Result<()> {
+    if !is_root() {
+        bail!("the verbs benchmark needs root (it boots the VM and builds a network namespace)");
+    }
+    provision::run(provision::Scope { vm: true })?;
+    cargo(root)
+        .args(["build", "--release", "-q", "-p", "ipoib-ctl", "--bins"])
+        .status_ok("cargo build ipoib-ctl")?;
+    cargo(root)
+        .args(["build", "--release", "-q", "-p", "ipoib-tests"])
+        .args(["--bin", "bench-verbs", "--bin", "cm-node"])
+        .status_ok("cargo build bench-verbs")?;
+    let exe = root.join("target/release/bench-verbs");
+    let script = format!(
+        "set -eu; echo '==> bench-verbs on '$(uname -r); {} --size {size} --seconds {seconds} --rounds {rounds} --qps {qps}",
+        exe.display()
+    );
+    let mut result = None;
+    vm::run(root, &script, |line| {
+        if let Some(j) = line.strip_prefix("BENCH-JSON ") {
+            result = Some(j.to_string());
+        }
+    })
+    .context("the verbs benchmark failed in the VM")?;
+    let json = result.context("the benchmark printed no result")?;
+    let out = root.join("target/bench/verbs.json");
+    std::fs::create_dir_all(out.parent().unwrap())?;
+    std::fs::write(&out, json + "\n")?;
+    println!("==> saved {}", out.display());
+    Ok(())
 }
 
 fn workspace_root() -> PathBuf {

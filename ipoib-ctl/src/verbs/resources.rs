@@ -153,6 +153,26 @@ impl Device {
         })
     }
 
+    /// The port's address with the first GID that is set (on RoCE the GIDs follow the
+    /// netdev's IP addresses, so index 0 may be empty).
+    pub fn first_address(&self, port: u8) -> Result<PortAddress, VerbsError> {
+        let mut pa = ffi::ibv_port_attr::default();
+        // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
+        let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
+        self.ctx.check("ibv_query_port", rc)?;
+        // GID indexes are a u8 in the address vector; a table longer than 256 is cut there.
+        for idx in 0..pa.gid_tbl_len.clamp(0, 256) {
+            let a = self.port_address(port, idx as u8)?;
+            if a.gid != [0; 16] {
+                return Ok(a);
+            }
+        }
+        Err(self.err(
+            "port has no GID",
+            io::Error::from(io::ErrorKind::AddrNotAvailable),
+        ))
+    }
+
     /// The next asynchronous event, waiting up to `timeout`; `None` when none came.
     pub fn async_event(&self, timeout: Duration) -> Result<Option<AsyncEvent>, VerbsError> {
         // SAFETY: valid context; async_fd is plain data.

@@ -1,7 +1,8 @@
 //! A CM peer for the soft-RoCE tests and benchmarks: listens for the handshake, keeps every
 //! connection on one SRQ, and echoes (or only takes) what arrives. Runs in its own network
 //! namespace as the second node; one line on stdout per event:
-//! `ready <gid hex> <ud_qpn>`, `established <peer ud_qpn> <qpn> <mtu>`, `closed <peer ud_qpn>
+//! `ready <gid hex> <ud_qpn>`, `engine <tun>` and `stats k=v ...` once a second (with --tun),
+//! `received <messages> <bytes>` (with --sink), `established <peer ud_qpn> <qpn> <mtu>`, `closed <peer ud_qpn>
 //! <qpn>`, `failed <reason>`.
 
 use std::{
@@ -15,7 +16,11 @@ use std::{
 
 use anyhow::Result;
 use clap::Parser;
-use ipoib_ctl::cm::{Cm, SetupConfig};
+use ipoib_ctl::{
+    cm::{Cm, SetupConfig},
+    engine::{Engine, EngineConfig, Route, Routes},
+    tun::Tun,
+};
 use ipoib_tests::cmlab::{Node, Pump, QpTable};
 
 #[derive(Parser)]
@@ -30,7 +35,8 @@ struct Args {
     /// SRQ depth.
     #[arg(long, default_value_t = 512)]
     depth: u32,
-    /// Take messages without echoing them (throughput benchmark).
+    /// Take messages without echoing or copying them (throughput benchmark); busy-polls and
+    /// prints `received <messages> <bytes>` as they arrive.
     #[arg(long)]
     sink: bool,
     /// Setups in flight at once.
@@ -39,6 +45,15 @@ struct Args {
     /// Seconds each handshake step may take.
     #[arg(long, default_value_t = 2.0)]
     step_timeout: f64,
+    /// Run the CM engine instead of echoing: a TUN device with this address (CIDR), MTU 1500,
+    /// gso_max_size 65000 and no IPv6 link-local address, its packets carried over the
+    /// connections.
+    #[arg(long, requires = "peer_ip")]
+    tun: Option<String>,
+    /// With --tun: the address whose packets go over the established connection (a stand-in
+    /// for the neighbour table: the test has one peer).
+    #[arg(long)]
+    peer_ip: Option<std::net::IpAddr>,
 }
 
 fn parse_u32(s: &str) -> Result<u32, String> {
@@ -61,13 +76,56 @@ fn main() -> Result<()> {
     let qps: QpTable = QpTable::default();
     let stop = Arc::new(AtomicBool::new(false));
 
+    let routes = Routes::default();
+    let engine = match &args.tun {
+        Some(cidr) => {
+            let tun = Tun::create("cmn%d", true)?;
+            let dev = tun.name().to_string();
+            ipoib_tests::cmlab::run(&["ip", "addr", "add", cidr, "dev", &dev]);
+            ipoib_tests::cmlab::run(&[
+                "ip",
+                "link",
+                "set",
+                &dev,
+                "addrgenmode",
+                "none",
+                "mtu",
+                "1500",
+                "gso_max_size",
+                "65000",
+                "up",
+            ]);
+            Some(Engine::new(
+                tun,
+                node.res.clone(),
+                node.cq.clone(),
+                node.send.clone(),
+                routes.clone(),
+                EngineConfig::default(),
+            )?)
+        }
+        None => None,
+    };
+    let engine_mode = engine.is_some();
     let pump = {
         let (node, qps, stop) = (node.clone(), qps.clone(), stop.clone());
         std::thread::spawn(move || -> Result<()> {
+            if engine_mode {
+                return Ok(());
+            }
             let mut pump = Pump::new(node);
+            pump.keep = !args.sink;
             let mut got = Vec::new();
+            let (mut told, mut last) = (0, std::time::Instant::now());
             while !stop.load(Ordering::Relaxed) {
-                pump.progress(&mut got, Duration::from_millis(100))?;
+                // A sink busy-polls, as ib_send_bw's server does; an echo waits on the channel.
+                let wait = if args.sink { 0 } else { 100 };
+                pump.progress(&mut got, Duration::from_millis(wait))?;
+                if args.sink && pump.received != told && last.elapsed() > Duration::from_millis(200)
+                {
+                    println!("received {} {}", pump.received, pump.received_bytes);
+                    (told, last) = (pump.received, std::time::Instant::now());
+                }
                 for m in got.drain(..) {
                     if args.sink {
                         continue;
@@ -91,15 +149,43 @@ fn main() -> Result<()> {
         println!("ready {gid} {:#x}", args.ud_qpn);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(cm.clone().serve(listener, tx));
+        if let Some(mut engine) = engine {
+            let stats = engine.stats();
+            println!("engine {}", engine.tun_name());
+            tokio::spawn(async move {
+                if let Err(e) = engine.run(std::future::pending()).await {
+                    println!("failed engine: {e}");
+                }
+            });
+            // Counters once a second, for the tests.
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    println!("{}", stats.line());
+                }
+            });
+        }
         while let Some((_, r)) = rx.recv().await {
             match r {
                 Ok(mut c) => {
                     let (peer, qpn) = (c.peer.ud_qpn, c.qp.qpn());
                     println!("established {peer:#x} {qpn} {}", c.mtu);
                     qps.lock().unwrap().insert(qpn, c.qp.clone());
-                    let qps = qps.clone();
+                    if let Some(ip) = args.peer_ip {
+                        routes.add(
+                            ip,
+                            Route {
+                                qp: c.qp.clone(),
+                                mtu: c.mtu,
+                            },
+                        );
+                    }
+                    let (qps, routes) = (qps.clone(), routes.clone());
                     tokio::spawn(async move {
                         c.closed().await;
+                        if let Some(ip) = args.peer_ip {
+                            routes.remove(&ip);
+                        }
                         qps.lock().unwrap().remove(&qpn);
                         c.close();
                         println!("closed {peer:#x} {qpn}");
