@@ -13,9 +13,11 @@
 //!
 //! Backpressure: each connection has at most `max_send_wr` sends in flight; past that its
 //! packets wait in a bounded queue (already in their send slot) and are posted as its sends
-//! complete. When the queue is full, or no send slot is free, the packet is dropped and
-//! counted (the control plane is to mark such a peer UD; not wired yet). TUN reads pause while
-//! no send slot is free.
+//! complete. When the queue is full the packet is dropped and counted, and the engine reports
+//! [`EngineEvent::Congested`]: the control plane marks the peer UD, so the next packets go
+//! over UD at once; [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause
+//! while no send slot is free. A send that completes in error reports
+//! [`EngineEvent::QpError`] once per QP.
 //!
 //! Runs on tokio: AsyncFd on the TUN fd and on the CQ's completion channel.
 
@@ -178,12 +180,37 @@ impl AsRawFd for RawFdRef {
     }
 }
 
+/// What the engine tells the control plane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineEvent {
+    /// A send on this QP completed in error: the connection is dead (said once per QP).
+    QpError { qpn: u32, status: u32 },
+    /// The connection's queue overflowed: its traffic should go UD for now.
+    Congested(IpAddr),
+    /// Its queue drained after [`EngineEvent::Congested`]: CM again.
+    Drained(IpAddr),
+}
+
 /// Per-connection send state, by QP number.
-#[derive(Default)]
 struct Flow {
+    dst: IpAddr,
     in_flight: u32,
     /// Filled send slots waiting to be posted, and their lengths.
     waiting: VecDeque<(u32, u32)>,
+    congested: bool,
+    dead: bool,
+}
+
+impl Flow {
+    fn new(dst: IpAddr) -> Self {
+        Self {
+            dst,
+            in_flight: 0,
+            waiting: VecDeque::new(),
+            congested: false,
+            dead: false,
+        }
+    }
 }
 
 pub struct Engine {
@@ -201,6 +228,7 @@ struct Core {
     stats: Arc<EngineStats>,
     free: Vec<u32>,
     flows: HashMap<u32, Flow>,
+    events: Option<tokio::sync::mpsc::UnboundedSender<EngineEvent>>,
 }
 
 /// The destination address of an IP packet.
@@ -249,12 +277,18 @@ impl Engine {
                 stats: Arc::default(),
                 free,
                 flows: HashMap::new(),
+                events: None,
             },
         })
     }
 
     pub fn stats(&self) -> Arc<EngineStats> {
         self.core.stats.clone()
+    }
+
+    /// Where QP errors and congestion are reported.
+    pub fn set_events(&mut self, tx: tokio::sync::mpsc::UnboundedSender<EngineEvent>) {
+        self.core.events = Some(tx);
     }
 
     /// The table `transmit` looks connections up in (shared: add and remove from anywhere).
@@ -329,6 +363,12 @@ impl Core {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    fn tell(&self, e: EngineEvent) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(e);
+        }
+    }
+
     /// One packet read from the TUN device: to its connection.
     fn transmit(&mut self, msg: &[u8]) -> Result<(), EngineError> {
         let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
@@ -352,10 +392,15 @@ impl Core {
             return Ok(());
         }
         let qpn = route.qp.qpn();
-        let flow = self.flows.entry(qpn).or_default();
+        let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(dst));
         let full = flow.in_flight >= self.cfg.max_send_wr;
         if full && flow.waiting.len() >= self.cfg.backlog {
+            // Past the bound: this packet is lost, the next go UD until the queue drains.
             Self::count(&self.stats.tx_backpressure);
+            if !flow.congested {
+                flow.congested = true;
+                self.tell(EngineEvent::Congested(dst));
+            }
             return Ok(());
         }
         let Some(slot) = self.free.pop() else {
@@ -424,11 +469,25 @@ impl Core {
                     continue;
                 };
                 flow.in_flight = flow.in_flight.saturating_sub(1);
-                if wc.error.is_some() {
+                if let Some(status) = wc.error {
                     // The QP is in error: what waits for it can never go; free it.
                     for (s, _) in flow.waiting.drain(..) {
                         self.free.push(s);
                         Self::count(&self.stats.tx_backpressure);
+                    }
+                    if !flow.dead {
+                        flow.dead = true;
+                        let e = EngineEvent::QpError {
+                            qpn: wc.qp_num,
+                            status,
+                        };
+                        if let Some(tx) = &self.events {
+                            let _ = tx.send(e);
+                        }
+                    }
+                    if flow.in_flight == 0 {
+                        // Every send of the dead QP is back: forget it.
+                        self.flows.remove(&wc.qp_num);
                     }
                     continue;
                 }
@@ -450,6 +509,12 @@ impl Core {
                             self.free.push(s);
                             Self::count(&self.stats.tx_no_connection);
                         }
+                    }
+                }
+                if flow.congested && flow.waiting.is_empty() {
+                    flow.congested = false;
+                    if let Some(tx) = &self.events {
+                        let _ = tx.send(EngineEvent::Drained(flow.dst));
                     }
                 }
             }

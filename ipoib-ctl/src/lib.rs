@@ -4,12 +4,13 @@
 //! maps with the shared types of `ipoib-common`, [`attach`] attaches, adopts and detaches
 //! (pins), [`netdev`] asks the kernel about interfaces, [`policy`] parses and validates policy
 //! changes (pure), [`promotion`] decides which peers get a CM connection (pure), [`status`] gathers and renders what the datapath reports, [`clock`] is the
-//! clock both sides share, [`tun`] is the CM engine's TUN device, [`engine`] moves packets between the TUN device and RC connections, [`verbs`] is the only module that touches verbs and [`cm`] sets up
+//! clock both sides share, [`tun`] is the CM engine's TUN device, [`connmgr`] runs the CM side of `attach` (plan, engine, handshake, promotion, peer map), [`engine`] moves packets between the TUN device and RC connections, [`verbs`] is the only module that touches verbs and [`cm`] sets up
 //! RC connections with the handshake over the IP path.
 
 pub mod attach;
 pub mod clock;
 pub mod cm;
+pub mod connmgr;
 pub mod datapath;
 pub mod engine;
 pub mod maps;

@@ -2,11 +2,12 @@
 
 use std::{fs::File, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode, time::Duration};
 
-use anyhow::{Context as _, Result, anyhow};
+use anyhow::{Context as _, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use ipoib_ctl::{
     attach::{self, AttachError},
     clock::monotonic_ns,
+    connmgr,
     netdev::Netdev,
     policy::PolicyChange,
     signals, status,
@@ -56,6 +57,8 @@ enum Cmd {
         /// Policy file (KEY=VALUE lines, as set-policy takes them).
         #[arg(long)]
         policy: Option<PathBuf>,
+        #[command(flatten)]
+        cm: CmArgs,
     },
     /// Remove the programs, links and pins from IFACE; traffic keeps flowing on UD.
     #[command(after_help = "Example:\n  ipoib-ctl detach ib0")]
@@ -112,6 +115,131 @@ enum Cmd {
     },
 }
 
+/// Connected mode of `attach`.
+#[derive(clap::Args, Debug)]
+struct CmArgs {
+    /// RDMA device for connected mode (default: the HCA under an IPoIB interface; on other
+    /// interfaces connected mode needs this).
+    #[arg(long, value_name = "DEV")]
+    cm_device: Option<String>,
+    /// Port of the RDMA device.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    cm_port: u8,
+    /// Our UD QPN (default: from the IPoIB hardware address; on Ethernet, the lab's stand-in:
+    /// 0x100 + the last byte of the interface's IPv4 address).
+    #[arg(long, value_name = "QPN", value_parser = parse_qpn)]
+    ud_qpn: Option<u32>,
+    /// No connected mode: the fast path only, every peer on UD.
+    #[arg(long, conflicts_with = "cm_device")]
+    no_cm: bool,
+}
+
+fn parse_qpn(s: &str) -> Result<u32, String> {
+    let v = match s.strip_prefix("0x") {
+        Some(h) => u32::from_str_radix(h, 16),
+        None => s.parse(),
+    }
+    .map_err(|e| format!("`{s}`: {e}"))?;
+    if !(2..=0xff_ffff).contains(&v) {
+        return Err(format!("`{s}`: a QPN is 2..=0xffffff"));
+    }
+    Ok(v)
+}
+
+/// `ip -j` output of one interface, in this network namespace.
+fn ip_json(args: &[&str]) -> Result<serde_json::Value> {
+    let out = std::process::Command::new("ip")
+        .arg("-j")
+        .args(args)
+        .output()
+        .context("running ip")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// What connected mode runs with on `iface`; None (said why) when it cannot run.
+fn cm_options(
+    iface: &str,
+    dev: &Netdev,
+    args: &CmArgs,
+    att: &attach::Attached,
+) -> Result<Option<connmgr::CmOptions>> {
+    use connmgr::{CmOptions, Resolve, lab_ud_qpn, parse_ipoib_hwaddr};
+    if args.no_cm {
+        return Ok(None);
+    }
+    let device = match &args.cm_device {
+        Some(d) => d.clone(),
+        None => {
+            let hca = std::fs::read_dir(format!("/sys/class/net/{iface}/device/infiniband"))
+                .ok()
+                .and_then(|mut d| d.next())
+                .and_then(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned());
+            match hca {
+                Some(d) if dev.is_ipoib() => d,
+                _ => {
+                    tracing::info!(
+                        "no RDMA device under {iface}: every peer on UD (--cm-device DEV to use one)"
+                    );
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    let (resolve, ud_qpn) = if dev.is_ipoib() {
+        let qpn = match args.ud_qpn {
+            Some(q) => q,
+            None => {
+                let link = ip_json(&["link", "show", "dev", iface])?;
+                let addr = link[0]["address"].as_str().unwrap_or_default();
+                parse_ipoib_hwaddr(addr)
+                    .with_context(|| format!("{iface}: `{addr}` is no IPoIB hardware address"))?
+                    .ud_qpn
+            }
+        };
+        (Resolve::Neighbour(iface.to_string()), qpn)
+    } else {
+        let qpn = match args.ud_qpn {
+            Some(q) => q,
+            None => {
+                let addrs = ip_json(&["-4", "addr", "show", "dev", iface])?;
+                let ip: std::net::IpAddr = addrs[0]["addr_info"][0]["local"]
+                    .as_str()
+                    .and_then(|a| a.parse().ok())
+                    .with_context(|| {
+                        format!("{iface} has no IPv4 address for the lab's UD QPN (or --ud-qpn)")
+                    })?;
+                lab_ud_qpn(ip)
+            }
+        };
+        (Resolve::Lab, qpn)
+    };
+    let ctl_port = att
+        .maps
+        .policy()
+        .map(|p| p.ctl_port)
+        .unwrap_or(ipoib_common::DEFAULT_CTL_PORT);
+    Ok(Some(CmOptions {
+        device,
+        port: args.cm_port,
+        ud_qpn,
+        resolve,
+        ctl_port,
+        memory_budget: att.state.memory_budget,
+        send_slots: 256,
+        tick: Duration::from_secs(1),
+        status_path: PathBuf::from(attach::RUN_DIR).join(format!("{iface}.cm.json")),
+        promotion: Default::default(),
+    }))
+}
+
 /// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.
 fn lock_iface(iface: &str) -> Result<File> {
     std::fs::create_dir_all(attach::RUN_DIR)?;
@@ -128,7 +256,7 @@ fn lock_iface(iface: &str) -> Result<File> {
     Ok(f)
 }
 
-fn cmd_attach(iface: &str, policy: Option<PathBuf>) -> Result<()> {
+fn cmd_attach(iface: &str, policy: Option<PathBuf>, cm: &CmArgs) -> Result<()> {
     let change = match policy {
         Some(path) => {
             let text = std::fs::read_to_string(&path)
@@ -143,7 +271,7 @@ fn cmd_attach(iface: &str, policy: Option<PathBuf>) -> Result<()> {
     let dev = Netdev::lookup(iface)?;
     dev.check_attachable()?;
     let lock = lock_iface(iface)?;
-    let result = control_loop(iface, &dev, change.as_ref());
+    let result = control_loop(iface, &dev, change.as_ref(), cm);
     drop(lock);
     let _ = std::fs::remove_file(lock_path(iface));
     result
@@ -153,10 +281,27 @@ fn lock_path(iface: &str) -> PathBuf {
     PathBuf::from(attach::RUN_DIR).join(format!("{iface}.lock"))
 }
 
-fn control_loop(iface: &str, dev: &Netdev, change: Option<&PolicyChange>) -> Result<()> {
+fn control_loop(
+    iface: &str,
+    dev: &Netdev,
+    change: Option<&PolicyChange>,
+    cm_args: &CmArgs,
+) -> Result<()> {
     let mut att = attach::attach(dev, change)?;
     att.state.loop_pid = Some(std::process::id());
     attach::write_state(&att.state)?;
+    // Connected mode: explicit (--cm-device) must work; found by itself, it may fail to UD.
+    let cm = match cm_options(iface, dev, cm_args, &att)? {
+        Some(opts) => match connmgr::start(iface, attach::pin_dir(iface), opts) {
+            Ok(h) => Some(h),
+            Err(e) if cm_args.cm_device.is_none() => {
+                tracing::warn!("connected mode unavailable on {iface}, every peer on UD: {e}");
+                None
+            }
+            Err(e) => return Err(anyhow!(e).context("starting connected mode")),
+        },
+        None => None,
+    };
     tracing::info!(
         "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
         if att.adopted { "adopted" } else { "attached" },
@@ -189,6 +334,11 @@ fn control_loop(iface: &str, dev: &Netdev, change: Option<&PolicyChange>) -> Res
             std::thread::sleep(step);
             slept += step;
         }
+    }
+    if let Some(h) = cm
+        && let Err(e) = h.stop()
+    {
+        tracing::warn!("stopping connected mode on {iface}: {e}");
     }
     if detached || !attach::is_attached(iface) {
         tracing::info!("{iface} was detached; control loop exits");
@@ -224,7 +374,7 @@ fn attached_ifaces() -> Vec<String> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Attach { iface, policy } => cmd_attach(&iface, policy),
+        Cmd::Attach { iface, policy, cm } => cmd_attach(&iface, policy, &cm),
         Cmd::Detach { iface } => {
             attach::detach(&iface)?;
             println!("detached {iface}; traffic continues on the kernel's own path");

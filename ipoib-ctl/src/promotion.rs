@@ -353,6 +353,21 @@ impl<K: Ord + Clone> Promoter<K> {
         }
     }
 
+    /// The peer set up a connection to us (the passive side). Returns false when it already
+    /// has one (the caller closes the new one). A peer we are connecting to whose REQ won the
+    /// crossing ends up here too.
+    pub fn accepted(&mut self, now: u64, key: K) -> bool {
+        let p = self.peers.entry(key).or_insert_with(Peer::new);
+        match p.state {
+            State::Up { .. } | State::Draining { .. } => false,
+            State::Connecting { .. } | State::Ud { .. } | State::Backoff { .. } => {
+                p.state = State::Up { since: now };
+                p.last_active = Some(now);
+                true
+            }
+        }
+    }
+
     /// A setup failed, or a live connection broke (QP error, peer gone). The peer is on UD
     /// until its backoff ends.
     pub fn failed(&mut self, now: u64, key: &K, why: Failure) {
@@ -888,6 +903,20 @@ mod tests {
             .filter(|k| s.p.explain(k).unwrap().why == Some(UdWhy::SetupRate))
             .count();
         assert_eq!(waiting, 50);
+    }
+
+    #[test]
+    fn a_connection_the_peer_set_up_is_adopted_once() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        assert!(s.p.accepted(S, 9));
+        assert!(matches!(s.state(9), State::Up { .. }));
+        assert!(!s.p.accepted(S, 9), "a second one is refused");
+        // It is reaped like our own when idle (default idle_after 30 s, min_hold 10 s).
+        let mut reaped = false;
+        for _ in 0..40 {
+            reaped |= s.second(&[(9, 0, 1, 0)]) == vec![Action::Disconnect(9, Demotion::Idle)];
+        }
+        assert!(reaped);
     }
 
     #[test]

@@ -123,6 +123,8 @@ pub struct Status {
     pub loop_running: bool,
     pub reasons: BTreeMap<&'static str, CounterView>,
     pub peers: Vec<PeerView>,
+    /// Connected mode, as its control loop last wrote it (None: not running).
+    pub cm: Option<crate::connmgr::CmStatus>,
 }
 
 fn mode_name(m: u8) -> String {
@@ -204,6 +206,7 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
         loop_running: loop_pid.is_some_and(pid_alive),
         reasons,
         peers: peers(&maps)?,
+        cm: crate::connmgr::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
     })
 }
 
@@ -308,5 +311,38 @@ pub fn render(s: &Status) -> String {
         out.push_str("    (no packets yet)\n");
     }
     out.push_str(&render_peers(&s.peers));
+    match &s.cm {
+        None => out.push_str("  connected mode: not running (every peer on UD)\n"),
+        Some(cm) => {
+            let _ = writeln!(
+                out,
+                "  connected mode: {} via {}, SRQ {} buffers, {} of at most {} connections, \
+                 {} established / {} failed setups",
+                cm.device,
+                cm.tun,
+                cm.srq_depth,
+                cm.connections,
+                cm.max_connections,
+                cm.established,
+                cm.failed
+            );
+            let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {})",
+                e("tx_packets"),
+                human_bytes(e("tx_bytes")),
+                e("rx_packets"),
+                human_bytes(e("rx_bytes")),
+                e("tx_backpressure") + e("tx_no_connection") + e("tx_oversize"),
+                e("tx_backpressure"),
+                e("tx_no_connection"),
+                e("tx_oversize")
+            );
+            for p in &cm.peers {
+                let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);
+            }
+        }
+    }
     out
 }

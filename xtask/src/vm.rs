@@ -67,7 +67,7 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
 }
 
 /// Test targets run in the VM.
-pub const TARGETS: &[&str] = &["fastpath", "lab", "verbs", "cm", "engine"];
+pub const TARGETS: &[&str] = &["fastpath", "lab", "verbs", "cm", "engine", "hybrid"];
 
 pub fn test(root: &Path, only: &[String]) -> Result<()> {
     if !is_root() {

@@ -1,0 +1,807 @@
+//! The CM side of `ipoib-ctl attach`: verbs resources sized by the memory plan, the TUN device
+//! and the [`engine`](crate::engine), the handshake listener, and the
+//! [`promotion`](crate::promotion) policy driven once a second by the fast path's per-peer
+//! counters. It writes the fast path's peer map: a peer becomes `CM_UP` (redirected to the
+//! TUN device) only once its connection is established, and goes back to `UD` before the
+//! connection is torn down, so nothing is redirected into a dead connection.
+//!
+//! Runs on its own thread with a single-threaded tokio runtime, beside the heartbeat loop.
+
+use std::{
+    collections::HashMap,
+    io,
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use ipoib_common::{PeerEntry, PeerKey, peer_mode, peer_pin};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{
+    clock::monotonic_ns,
+    cm::{Cm, Connection, HwAddr, Resources, SetupConfig, SetupError},
+    engine::{Engine, EngineConfig, EngineError, EngineEvent, EngineStats, Route, Routes},
+    maps::{DatapathMaps, MapsError},
+    plan::{self, CM_BUF_SIZE, PAGE_SIZE, PlanKind},
+    policy::Mode,
+    promotion::{
+        Action, Config as PromotionConfig, Failure, Pin as PeerPin, Promoter, Sample, State,
+    },
+    tun::{Tun, TunError},
+    verbs::{self, CompletionQueue, Device, MemoryRegion, SharedReceiveQueue, VerbsError},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CmError {
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    #[error(transparent)]
+    Tun(#[from] TunError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("RDMA device {0} not found")]
+    NoDevice(String),
+    #[error("the memory plan for {device} allows no connected mode: {why}")]
+    NoPlan { device: String, why: String },
+    #[error("configuring {dev}: `{cmd}` failed: {stderr}")]
+    Ip {
+        dev: String,
+        cmd: String,
+        stderr: String,
+    },
+}
+
+/// How a peer's IPoIB hardware address (GID and UD QPN) is found from its IP address.
+#[derive(Debug, Clone)]
+pub enum Resolve {
+    /// IPoIB: the neighbour table of this interface (the 20-byte link-layer address).
+    Neighbour(String),
+    /// The lab (Ethernet, one soft-RoCE device shared by every node): the peer's GID is our
+    /// own and its UD QPN is [`lab_ud_qpn`] of its address.
+    Lab,
+}
+
+/// The lab's stand-in UD QPN of a node: 0x100 plus the last byte of its address.
+pub fn lab_ud_qpn(ip: IpAddr) -> u32 {
+    let last = match ip {
+        IpAddr::V4(a) => a.octets()[3],
+        IpAddr::V6(a) => a.octets()[15],
+    };
+    0x100 + u32::from(last)
+}
+
+/// Parses a 20-byte IPoIB hardware address (`80:00:00:48:fe:80:...`): flags, QPN, GID.
+pub fn parse_ipoib_hwaddr(s: &str) -> Option<HwAddr> {
+    let b: Vec<u8> = s
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16))
+        .collect::<Result<_, _>>()
+        .ok()?;
+    if b.len() != 20 {
+        return None;
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&b[4..]);
+    Some(HwAddr {
+        gid,
+        ud_qpn: u32::from_be_bytes([0, b[1], b[2], b[3]]),
+    })
+}
+
+impl Resolve {
+    async fn peer(&self, ip: IpAddr, own_gid: [u8; 16]) -> Option<HwAddr> {
+        match self {
+            Resolve::Lab => Some(HwAddr {
+                gid: own_gid,
+                ud_qpn: lab_ud_qpn(ip),
+            }),
+            Resolve::Neighbour(iface) => {
+                let out = tokio::process::Command::new("ip")
+                    .args(["-j", "neigh", "show", "to", &ip.to_string(), "dev", iface])
+                    .output()
+                    .await
+                    .ok()?;
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+                parse_ipoib_hwaddr(v.get(0)?.get("lladdr")?.as_str()?)
+            }
+        }
+    }
+}
+
+/// What `attach` passes in.
+#[derive(Debug, Clone)]
+pub struct CmOptions {
+    /// The RDMA device and port under the interface.
+    pub device: String,
+    pub port: u8,
+    /// Our UD QPN (the interface's hardware address; the lab's stand-in).
+    pub ud_qpn: u32,
+    pub resolve: Resolve,
+    /// The handshake's TCP port (policy `ctl-port`).
+    pub ctl_port: u16,
+    /// Policy `memory-budget`, or None for the automatic rule.
+    pub memory_budget: Option<u64>,
+    /// Registered send buffers, shared by every connection.
+    pub send_slots: u32,
+    /// How often the policy runs.
+    pub tick: Duration,
+    /// Where the status is written (JSON), once per tick.
+    pub status_path: PathBuf,
+    /// Overrides of the promotion policy's defaults (the plan sets `max_connections`).
+    pub promotion: PromotionConfig,
+}
+
+/// One peer in the status.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct PeerStatus {
+    pub addr: IpAddr,
+    pub state: String,
+    pub why: String,
+    pub failures: u32,
+    pub promotions: u64,
+}
+
+/// What the CM side reports, written as JSON to `status_path` every tick.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, Default)]
+pub struct CmStatus {
+    pub device: String,
+    pub tun: String,
+    pub srq_depth: u32,
+    pub max_connections: usize,
+    pub mode: String,
+    pub connections: usize,
+    pub established: u64,
+    pub failed: u64,
+    pub engine: HashMap<String, u64>,
+    pub peers: Vec<PeerStatus>,
+}
+
+/// The CM status of `iface` as its control loop last wrote it.
+pub fn read_status(iface: &str) -> Option<CmStatus> {
+    let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.cm.json"));
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// The running CM side; stops on [`CmHandle::stop`].
+pub struct CmHandle {
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<(), CmError>>>,
+    pub tun: String,
+    pub status: Arc<Mutex<CmStatus>>,
+}
+
+impl CmHandle {
+    /// Stops it: every connection is marked UD in the map, then closed; the TUN device goes.
+    pub fn stop(mut self) -> Result<(), CmError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(CmError::Io(io::Error::other("the CM thread panicked"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CmHandle {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn ip_cmd(dev: &str, args: &[&str]) -> Result<(), CmError> {
+    let out = std::process::Command::new("ip").args(args).output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(CmError::Ip {
+            dev: dev.into(),
+            cmd: format!("ip {}", args.join(" ")),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+        })
+    }
+}
+
+/// Sets everything up and starts the CM thread; returns once it runs (or why it cannot).
+pub fn start(iface: &str, pin_dir: PathBuf, opts: CmOptions) -> Result<CmHandle, CmError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = oneshot::channel();
+    let status = Arc::new(Mutex::new(CmStatus::default()));
+    let iface = iface.to_string();
+    let st = status.clone();
+    let thread = std::thread::Builder::new()
+        .name("ipoib-cm".into())
+        .spawn(move || run(iface, pin_dir, opts, ready_tx, stop_rx, st))?;
+    match ready_rx.recv() {
+        Ok(Ok(tun)) => Ok(CmHandle {
+            stop: Some(stop_tx),
+            thread: Some(thread),
+            tun,
+            status,
+        }),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => match thread.join() {
+            Ok(Err(e)) => Err(e),
+            _ => Err(CmError::Io(io::Error::other(
+                "the CM thread ended while starting",
+            ))),
+        },
+    }
+}
+
+/// Why the manager hears from a connection.
+enum Event {
+    Established(IpAddr, Connection),
+    SetupFailed(IpAddr, SetupError),
+    /// The connection ended: `remote` when the peer closed it or went away.
+    Closed {
+        ip: IpAddr,
+        qpn: u32,
+        remote: bool,
+    },
+}
+
+struct Live {
+    qpn: u32,
+    close: oneshot::Sender<()>,
+}
+
+/// GSO packets larger than this would not fit one RC message with the engine's header.
+pub const GSO_MAX_SIZE: u32 = 65000;
+
+struct Setup {
+    /// The interface's gso_max_size before we lowered it (restored at stop).
+    gso_before: Option<u64>,
+    res: Arc<Resources>,
+    engine: Engine,
+    srq_depth: u32,
+    max_connections: usize,
+    device: String,
+}
+
+/// Makes the stack accept IPv4 packets written into the TUN device from peers whose route is
+/// the IPoIB interface. The reverse-path filter uses max(all, device): the device's own
+/// setting goes to 0; with `all` at 2 (loose, systemd's default) a device without an IPv4
+/// address still fails the check (fib_validate_source: no address -> last resort -> drop;
+/// seen here: 13 packets in on the TUN device, 13 fewer delivered), so the interface's IPv4
+/// addresses are added to it as /32 without a prefix route, which changes no routing. With
+/// `all` at 1 (strict) nothing arriving on the TUN device passes: said loudly.
+fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
+    std::fs::write(format!("/proc/sys/net/ipv4/conf/{tun}/rp_filter"), "0")?;
+    let all = std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter").unwrap_or_default();
+    match all.trim() {
+        "1" => tracing::warn!(
+            "net.ipv4.conf.all.rp_filter=1 (strict) drops what connected mode receives on {tun}: \
+             set it to 2 (loose) or 0"
+        ),
+        "2" => {
+            let out = std::process::Command::new("ip")
+                .args(["-4", "-j", "addr", "show", "dev", iface])
+                .output()?;
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            let addrs = v
+                .get(0)
+                .and_then(|l| l.get("addr_info"))
+                .and_then(|a| a.as_array())
+                .cloned()
+                .unwrap_or_default();
+            for a in addrs {
+                if let Some(local) = a.get("local").and_then(|l| l.as_str()) {
+                    let cidr = format!("{local}/32");
+                    ip_cmd(tun, &["addr", "add", &cidr, "dev", tun, "noprefixroute"])?;
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The interface's gso_max_size, from `ip -d -j link`.
+fn gso_max_size(iface: &str) -> Option<u64> {
+    let out = std::process::Command::new("ip")
+        .args(["-d", "-j", "link", "show", "dev", iface])
+        .output()
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v.get(0)?.get("gso_max_size")?.as_u64()
+}
+
+fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError> {
+    let caps = verbs::discover()?;
+    let d = caps
+        .iter()
+        .find(|d| d.name == opts.device)
+        .ok_or_else(|| CmError::NoDevice(opts.device.clone()))?;
+    let p = plan::plan(&d.limits(), verbs::system_memory(), opts.memory_budget);
+    if p.kind != PlanKind::Srq || p.max_cm_peers == 0 {
+        // Per-connection rings (no SRQ) are planned but not built yet.
+        return Err(CmError::NoPlan {
+            device: opts.device.clone(),
+            why: p.why,
+        });
+    }
+    let dev = Device::open(&opts.device)?;
+    let port = dev.first_address(opts.port)?;
+    let pd = dev.alloc_pd()?;
+    let depth = p.ring as u32;
+    let cq = CompletionQueue::create(&dev, depth + 2 * opts.send_slots, true)?;
+    let stride = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let srq = SharedReceiveQueue::create(&pd, depth, p.buffer_bytes as u32, stride)?;
+    let send = MemoryRegion::register(&pd, opts.send_slots, stride)?;
+    let res = Arc::new(Resources {
+        pd,
+        send_cq: cq.clone(),
+        recv_cq: cq.clone(),
+        srq,
+        port,
+    });
+    let tun = Tun::create(tun_name, true)?;
+    let name = tun.name().to_string();
+    // No IPv6 link-local address (the kernel's own chatter would come to the engine), a
+    // 64 KiB MTU, and reverse-path filtering that accepts what arrives here (see
+    // `accept_on_tun`).
+    ip_cmd(
+        &name,
+        &[
+            "link",
+            "set",
+            &name,
+            "addrgenmode",
+            "none",
+            "mtu",
+            "65520",
+            "up",
+        ],
+    )?;
+    accept_on_tun(iface, &name)?;
+    let engine = Engine::new(
+        tun,
+        res.clone(),
+        cq,
+        send,
+        Routes::default(),
+        EngineConfig::default(),
+    )?;
+    // The stack builds GSO packets for the interface the route uses: keep them small enough
+    // for one RC message (header included), or the engine would have to drop them.
+    let gso_before = gso_max_size(iface);
+    if gso_before.is_none_or(|g| g > u64::from(GSO_MAX_SIZE)) {
+        let size = GSO_MAX_SIZE.to_string();
+        ip_cmd(iface, &["link", "set", "dev", iface, "gso_max_size", &size])?;
+    }
+    Ok(Setup {
+        gso_before,
+        res,
+        engine,
+        srq_depth: depth,
+        max_connections: p.max_cm_peers as usize,
+        device: opts.device.clone(),
+    })
+}
+
+fn run(
+    iface: String,
+    pin_dir: PathBuf,
+    opts: CmOptions,
+    ready: std::sync::mpsc::Sender<Result<String, CmError>>,
+    stop: oneshot::Receiver<()>,
+    status: Arc<Mutex<CmStatus>>,
+) -> Result<(), CmError> {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send(Err(e.into()));
+            return Ok(());
+        }
+    };
+    let tun_name = format!("{}cm", &iface[..iface.len().min(12)]);
+    let s = match setup(&iface, &opts, &tun_name)
+        .and_then(|s| Ok((s, DatapathMaps::from_pins(&pin_dir)?)))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return Ok(());
+        }
+    };
+    let (setup, maps) = s;
+    let tun = setup.engine.tun_name().to_string();
+    let status_path = opts.status_path.clone();
+    let r = rt.block_on(manage(
+        iface.clone(),
+        opts,
+        setup,
+        maps,
+        tun,
+        ready,
+        stop,
+        status,
+    ));
+    if let Err(e) = &r {
+        tracing::error!("connected mode on {iface} stopped on an error: {e}");
+        let _ = std::fs::remove_file(status_path);
+    }
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn manage(
+    iface: String,
+    opts: CmOptions,
+    setup: Setup,
+    mut maps: DatapathMaps,
+    tun: String,
+    ready: std::sync::mpsc::Sender<Result<String, CmError>>,
+    stop: oneshot::Receiver<()>,
+    status: Arc<Mutex<CmStatus>>,
+) -> Result<(), CmError> {
+    let Setup {
+        gso_before,
+        res,
+        mut engine,
+        srq_depth,
+        max_connections,
+        device,
+    } = setup;
+    let tun_ifindex = crate::netdev::Netdev::lookup(&tun)
+        .map(|d| d.ifindex)
+        .unwrap_or(0);
+    let listener =
+        match tokio::net::TcpListener::bind(SocketAddr::from(([0u8; 16], opts.ctl_port))).await {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ready.send(Err(e.into()));
+                return Ok(());
+            }
+        };
+    let cm = Arc::new(Cm::new(res.clone(), opts.ud_qpn, SetupConfig::default()));
+    let routes = engine.routes();
+    let stats = engine.stats();
+    let (eng_tx, mut eng_rx) = mpsc::unbounded_channel::<EngineEvent>();
+    engine.set_events(eng_tx);
+    let (engine_stop_tx, engine_stop_rx) = oneshot::channel::<()>();
+    let engine_task = tokio::spawn(async move {
+        let r = engine
+            .run(async {
+                let _ = engine_stop_rx.await;
+            })
+            .await;
+        (engine, r)
+    });
+    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<Event>();
+    let (acc_tx, mut acc_rx) = mpsc::unbounded_channel();
+    tokio::spawn(cm.clone().serve(listener, acc_tx));
+    // A previous control loop that died (kill -9, a crash) left its peers CM_UP or
+    // CM_PENDING, pointing at a TUN device that is gone: UD until connected again.
+    let _ = std::fs::remove_file(&opts.status_path);
+    let reset = |maps: &mut DatapathMaps| -> Result<(), CmError> {
+        for (key, e) in maps.peers()? {
+            if e.mode != peer_mode::UD {
+                maps.set_peer(
+                    key,
+                    PeerEntry {
+                        mode: peer_mode::UD,
+                        cm_ifindex: 0,
+                        generation: e.generation.wrapping_add(1),
+                        ..e
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    };
+    if let Err(e) = reset(&mut maps) {
+        let _ = ready.send(Err(e));
+        return Ok(());
+    }
+    let _ = ready.send(Ok(tun.clone()));
+    tracing::info!(
+        "CM on {iface}: {device} port {} ({} GID index {}), TUN {tun}, SRQ {srq_depth} x {} B, \
+         at most {max_connections} connections, handshake on TCP {}",
+        opts.port,
+        if res.port.ethernet { "RoCE" } else { "IB" },
+        res.port.gid_index,
+        CM_BUF_SIZE,
+        opts.ctl_port
+    );
+
+    let mut promo_cfg = opts.promotion.clone();
+    promo_cfg.max_connections = max_connections;
+    let mut promoter: Promoter<IpAddr> = Promoter::new(promo_cfg, Mode::Auto);
+    let mut live: HashMap<IpAddr, Live> = HashMap::new();
+    let mut tick = tokio::time::interval(opts.tick);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(stop);
+    let mark = |maps: &mut DatapathMaps, ip: IpAddr, mode: u8| -> Result<(), CmError> {
+        let key = PeerKey::from(ip);
+        let old = maps.peer(&key)?.unwrap_or_default();
+        maps.set_peer(
+            key,
+            PeerEntry {
+                mode,
+                cm_ifindex: if mode == peer_mode::CM_UP {
+                    tun_ifindex
+                } else {
+                    0
+                },
+                generation: old.generation.wrapping_add(1),
+                ..old
+            },
+        )?;
+        Ok(())
+    };
+    // Watches a live connection: ends it on request or when the peer goes.
+    let watch = |ip: IpAddr, mut c: Connection, ev: mpsc::UnboundedSender<Event>| {
+        let (close_tx, close_rx) = oneshot::channel::<()>();
+        let qpn = c.qp.qpn();
+        tokio::spawn(async move {
+            let remote = tokio::select! {
+                _ = c.closed() => true,
+                _ = close_rx => false,
+            };
+            c.close();
+            let _ = ev.send(Event::Closed { ip, qpn, remote });
+        });
+        Live {
+            qpn,
+            close: close_tx,
+        }
+    };
+
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tick.tick() => {
+                let now = monotonic_ns();
+                if let Ok(p) = maps.policy() {
+                    promoter.set_mode(Mode::from_raw(p.mode).unwrap_or(Mode::Auto));
+                }
+                for (key, e) in maps.peers().unwrap_or_default() {
+                    if let Some(ip) = key.ip() {
+                        promoter.set_pin(ip, match e.pin {
+                            peer_pin::UD => PeerPin::Ud,
+                            peer_pin::CM => PeerPin::Cm,
+                            peer_pin::BLOCK => PeerPin::Block,
+                            _ => PeerPin::Auto,
+                        });
+                    }
+                }
+                for (key, t) in maps.traffic().unwrap_or_default() {
+                    if let Some(ip) = key.ip() {
+                        promoter.observe(now, ip, Sample {
+                            tx_packets: t.tx_ud_packets + t.tx_cm_packets,
+                            tx_bytes: t.tx_ud_bytes + t.tx_cm_bytes,
+                            cm_bytes: t.tx_cm_bytes,
+                        });
+                    }
+                }
+                for a in promoter.tick(now) {
+                    match a {
+                        Action::Connect(ip) => {
+                            mark(&mut maps, ip, peer_mode::CM_PENDING)?;
+                            let (cm, ev, resolve) = (cm.clone(), ev_tx.clone(), opts.resolve.clone());
+                            let (port, gid) = (opts.ctl_port, res.port.gid);
+                            tokio::spawn(async move {
+                                let Some(hw) = resolve.peer(ip, gid).await else {
+                                    let _ = ev.send(Event::SetupFailed(ip, SetupError::Timeout("neighbour")));
+                                    return;
+                                };
+                                let e = match cm.connect(SocketAddr::new(ip, port), hw).await {
+                                    Ok(c) => Event::Established(ip, c),
+                                    Err(e) => Event::SetupFailed(ip, e),
+                                };
+                                let _ = ev.send(e);
+                            });
+                        }
+                        Action::Disconnect(ip, why) => {
+                            // UD first, then the route, then the QP.
+                            mark(&mut maps, ip, peer_mode::UD)?;
+                            routes.remove(&ip);
+                            if let Some(l) = live.remove(&ip) {
+                                tracing::info!("{ip}: closing its connection (QP {}): {why:?}", l.qpn);
+                                let _ = l.close.send(());
+                            } else {
+                                promoter.closed(now, &ip);
+                            }
+                        }
+                    }
+                }
+                let snapshot = cm_status(&promoter, &live, &cm, &stats, &device, &tun, srq_depth, max_connections);
+                if let Ok(json) = serde_json::to_vec_pretty(&snapshot) {
+                    let _ = std::fs::write(&opts.status_path, json);
+                }
+                *status.lock().expect("status") = snapshot;
+            }
+            Some(e) = eng_rx.recv() => match e {
+                EngineEvent::Congested(ip) if live.contains_key(&ip) => {
+                    tracing::debug!("{ip}: the connection's queue is full: UD until it drains");
+                    mark(&mut maps, ip, peer_mode::UD)?;
+                }
+                EngineEvent::Drained(ip) if live.contains_key(&ip) => {
+                    mark(&mut maps, ip, peer_mode::CM_UP)?;
+                }
+                EngineEvent::QpError { qpn, status } => {
+                    let Some(ip) = live.iter().find(|(_, l)| l.qpn == qpn).map(|(ip, _)| *ip) else {
+                        continue;
+                    };
+                    tracing::warn!("{ip}: QP {qpn} failed (completion status {status}): UD, retry later");
+                    mark(&mut maps, ip, peer_mode::UD)?;
+                    routes.remove(&ip);
+                    if let Some(l) = live.remove(&ip) {
+                        let _ = l.close.send(());
+                    }
+                    promoter.failed(monotonic_ns(), &ip, Failure::QpError);
+                }
+                _ => {}
+            },
+            Some((addr, r)) = acc_rx.recv() => match r {
+                Ok(c) => {
+                    // The listener is dual-stack: an IPv4 peer shows as ::ffff:a.b.c.d.
+                    let ip = addr.ip().to_canonical();
+                    let _ = ev_tx.send(Event::Established(ip, c));
+                    tracing::debug!("{ip}: accepted a connection");
+                }
+                Err(e) => tracing::debug!("{addr}: handshake refused: {e}"),
+            },
+            Some(ev) = ev_rx.recv() => {
+                let now = monotonic_ns();
+                match ev {
+                    Event::Established(ip, c) => {
+                        let ours = matches!(promoter.explain(&ip).map(|e| e.state), Some(State::Connecting { .. }));
+                        let keep = if ours { promoter.connected(now, &ip); true } else { promoter.accepted(now, ip) };
+                        if !keep || live.contains_key(&ip) {
+                            c.close();
+                            continue;
+                        }
+                        routes.add(ip, Route { qp: c.qp.clone(), mtu: c.mtu });
+                        mark(&mut maps, ip, peer_mode::CM_UP)?;
+                        tracing::info!("{ip}: connected (QP {}, MTU {})", c.qp.qpn(), c.mtu);
+                        live.insert(ip, watch(ip, c, ev_tx.clone()));
+                    }
+                    Event::SetupFailed(ip, e) => {
+                        tracing::info!("{ip}: connection setup failed, UD for now: {e}");
+                        mark(&mut maps, ip, peer_mode::UD)?;
+                        promoter.failed(now, &ip, match e {
+                            SetupError::Rejected(_) | SetupError::Crossed | SetupError::InProgress | SetupError::WrongPeer { .. } => Failure::Rejected,
+                            SetupError::Timeout(_) => Failure::Timeout,
+                            SetupError::Busy => Failure::NoResources,
+                            _ => Failure::QpError,
+                        });
+                    }
+                    Event::Closed { ip, qpn, remote } => {
+                        match live.get(&ip) {
+                            // An older connection of a peer that has a new one: leave it be.
+                            Some(l) if l.qpn != qpn => continue,
+                            Some(_) => {
+                                live.remove(&ip);
+                            }
+                            None => {}
+                        }
+                        mark(&mut maps, ip, peer_mode::UD)?;
+                        routes.remove(&ip);
+                        if remote {
+                            tracing::info!("{ip}: the peer closed its connection (QP {qpn})");
+                        }
+                        promoter.closed(now, &ip);
+                    }
+                }
+            }
+        }
+    }
+
+    // Teardown: every peer UD first, then the connections, then the engine and the TUN.
+    for (ip, l) in live.drain() {
+        let _ = mark(&mut maps, ip, peer_mode::UD);
+        routes.remove(&ip);
+        let _ = l.close.send(());
+    }
+    // Let the watchers close their QPs.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _ = engine_stop_tx.send(());
+    if let Ok((engine, r)) = engine_task.await {
+        drop(engine);
+        r?;
+    }
+    let _ = std::fs::remove_file(&opts.status_path);
+    if let Some(g) = gso_before.filter(|g| *g > u64::from(GSO_MAX_SIZE)) {
+        let _ = ip_cmd(
+            &iface,
+            &["link", "set", "dev", &iface, "gso_max_size", &g.to_string()],
+        );
+    }
+    tracing::info!("CM on {iface} stopped; every peer is on UD");
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cm_status(
+    promoter: &Promoter<IpAddr>,
+    live: &HashMap<IpAddr, Live>,
+    cm: &Cm,
+    stats: &EngineStats,
+    device: &str,
+    tun: &str,
+    srq_depth: u32,
+    max_connections: usize,
+) -> CmStatus {
+    let peers = promoter
+        .peers()
+        .filter_map(|(ip, _)| {
+            let e = promoter.explain(ip)?;
+            let state = match e.state {
+                State::Ud { .. } => "ud",
+                State::Connecting { .. } => "connecting",
+                State::Up { .. } => "cm",
+                State::Draining { .. } => "closing",
+                State::Backoff { .. } => "backoff",
+            };
+            Some(PeerStatus {
+                addr: *ip,
+                state: state.into(),
+                why: e.to_string(),
+                failures: e.failures,
+                promotions: e.promotions,
+            })
+        })
+        .collect();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    CmStatus {
+        device: device.into(),
+        tun: tun.into(),
+        srq_depth,
+        max_connections,
+        mode: promoter.mode().to_string(),
+        connections: live.len(),
+        established: get(&cm.stats.established),
+        failed: get(&cm.stats.failed),
+        engine: stats
+            .snapshot()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        peers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipoib_hardware_addresses_parse() {
+        let hw = parse_ipoib_hwaddr("80:00:00:48:fe:80:00:00:00:00:00:00:00:02:c9:03:00:12:34:56")
+            .unwrap();
+        assert_eq!(hw.ud_qpn, 0x48);
+        assert_eq!(hw.gid[0..2], [0xfe, 0x80]);
+        assert_eq!(hw.gid[15], 0x56);
+        assert!(parse_ipoib_hwaddr("00:11:22:33:44:55").is_none());
+        assert!(parse_ipoib_hwaddr("zz:00").is_none());
+    }
+
+    #[test]
+    fn lab_qpns_follow_the_last_byte() {
+        assert_eq!(lab_ud_qpn("10.77.0.2".parse().unwrap()), 0x102);
+        assert_eq!(lab_ud_qpn("fd77::1".parse().unwrap()), 0x101);
+    }
+}
