@@ -22,7 +22,8 @@ use clap::{Parser, Subcommand};
                   cargo xtask provision      install what builds and tests need\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
-                  cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)"
+                  cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)\n  \
+                  cargo xtask bench engine   TCP over CM vs UD between the lab's nodes (VM)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -31,15 +32,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The main job: attach to the IPoIB interface if there is one; otherwise build the
-    /// two-node lab, attach both ends, send real traffic, show live status, tear down.
+    /// The main job: attach to the IPoIB interface if there is one; otherwise the two-node lab
+    /// with connected mode on soft-RoCE (in the VM where this kernel has no RDMA): ping on UD,
+    /// a bulk flow promoted to CM, a fault and the fallback, live status, teardown.
     Run {
-        /// Seconds of bulk TCP in the lab.
+        /// Seconds of bulk TCP in the lab (at least 24 with connected mode: promotion, a
+        /// fault, the fallback and the return).
         #[arg(long, default_value_t = 6)]
         duration: u32,
         /// Print the final status of both lab nodes as JSON too.
         #[arg(long)]
         json: bool,
+        /// Where this kernel has no RDMA: run the lab here with a stand-in for the CM device
+        /// instead of booting the soft-RoCE VM.
+        #[arg(long)]
+        no_vm: bool,
     },
     /// Install the toolchain parts and Debian packages the project needs (idempotent).
     Provision {
@@ -60,7 +67,7 @@ enum Cmd {
     /// verbs tests inside it: the programs must verify and behave the same on the older kernel
     /// (egress attaches through netlink clsact there), and verbs run on soft-RoCE.
     VmTest {
-        /// Only these test targets (fastpath, lab, verbs, cm, engine); all by default.
+        /// Only these test targets (fastpath, lab, verbs, cm, engine, hybrid); all by default.
         targets: Vec<String>,
     },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
@@ -98,13 +105,27 @@ enum Bench {
         #[arg(long, default_value_t = 16)]
         qps: u32,
     },
+    /// In the VM: TCP throughput between the lab's nodes on CM (engine over rxe) and on UD,
+    /// interleaved in one boot, with CPU time per byte of each path.
+    Engine {
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 8)]
+        seconds: u32,
+        /// Interleaved rounds; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+    },
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let root = workspace_root();
     match cli.cmd {
-        Cmd::Run { duration, json } => run(&root, duration, json),
+        Cmd::Run {
+            duration,
+            json,
+            no_vm,
+        } => run(&root, duration, json, no_vm),
         Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
         Cmd::Test { no_vm, args } => {
             test(&root, &args)?;
@@ -151,14 +172,40 @@ fn main() -> Result<()> {
                     qps,
                 },
         } => bench_verbs(&root, size, seconds, rounds, qps),
+        Cmd::Bench {
+            what: Bench::Engine { seconds, rounds },
+        } => bench_in_vm(
+            &root,
+            "bench-engine",
+            &[
+                "--seconds".into(),
+                seconds.to_string(),
+                "--rounds".into(),
+                rounds.to_string(),
+            ],
+            "engine.json",
+        ),
     }
 }
 
-/// Builds the benchmark and its peer in release mode, runs them in the VM, and saves the
-/// JSON line the benchmark prints to target/bench/verbs.json.
 fn bench_verbs(root: &Path, size: u32, seconds: u32, rounds: u32, qps: u32) -> Result<()> {
+    let args: Vec<String> = [
+        ("--size", size),
+        ("--seconds", seconds),
+        ("--rounds", rounds),
+        ("--qps", qps),
+    ]
+    .iter()
+    .flat_map(|(k, v)| [k.to_string(), v.to_string()])
+    .collect();
+    bench_in_vm(root, "bench-verbs", &args, "verbs.json")
+}
+
+/// Builds benchmark `bin` and what it runs (ipoib-ctl, cm-node) in release mode, runs it in
+/// the VM, and saves the JSON line it prints to target/bench/`out`.
+fn bench_in_vm(root: &Path, bin: &str, args: &[String], out: &str) -> Result<()> {
     if !is_root() {
-        bail!("the verbs benchmark needs root (it boots the VM and builds a network namespace)");
+        bail!("this benchmark needs root (it boots the VM and builds network namespaces)");
     }
     provision::run(provision::Scope { vm: true })?;
     cargo(root)
@@ -166,12 +213,13 @@ fn bench_verbs(root: &Path, size: u32, seconds: u32, rounds: u32, qps: u32) -> R
         .status_ok("cargo build ipoib-ctl")?;
     cargo(root)
         .args(["build", "--release", "-q", "-p", "ipoib-tests"])
-        .args(["--bin", "bench-verbs", "--bin", "cm-node"])
-        .status_ok("cargo build bench-verbs")?;
-    let exe = root.join("target/release/bench-verbs");
+        .args(["--bin", bin, "--bin", "cm-node"])
+        .status_ok("cargo build the benchmark")?;
+    let exe = root.join("target/release").join(bin);
     let script = format!(
-        "set -eu; echo '==> bench-verbs on '$(uname -r); {} --size {size} --seconds {seconds} --rounds {rounds} --qps {qps}",
-        exe.display()
+        "set -eu; modprobe tun; echo '==> {bin} on '$(uname -r); {} {}",
+        exe.display(),
+        args.join(" ")
     );
     let mut result = None;
     vm::run(root, &script, |line| {
@@ -179,12 +227,12 @@ fn bench_verbs(root: &Path, size: u32, seconds: u32, rounds: u32, qps: u32) -> R
             result = Some(j.to_string());
         }
     })
-    .context("the verbs benchmark failed in the VM")?;
+    .with_context(|| format!("{bin} failed in the VM"))?;
     let json = result.context("the benchmark printed no result")?;
-    let out = root.join("target/bench/verbs.json");
-    std::fs::create_dir_all(out.parent().unwrap())?;
-    std::fs::write(&out, json + "\n")?;
-    println!("==> saved {}", out.display());
+    let path = root.join("target/bench").join(out);
+    std::fs::create_dir_all(path.parent().unwrap())?;
+    std::fs::write(&path, json + "\n")?;
+    println!("==> saved {}", path.display());
     Ok(())
 }
 
@@ -235,7 +283,7 @@ pub(crate) fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn run(root: &Path, duration: u32, json: bool) -> Result<()> {
+fn run(root: &Path, duration: u32, json: bool, no_vm: bool) -> Result<()> {
     if !is_root() {
         bail!("cargo xtask run needs root: it loads eBPF programs and builds network namespaces");
     }
@@ -251,12 +299,44 @@ fn run(root: &Path, duration: u32, json: bool) -> Result<()> {
             "--bins",
         ])
         .status_ok("cargo build")?;
-    let mut c = Command::new(root.join("target/debug/ipoib-lab"));
-    c.args(["--duration", &duration.to_string()]);
+    let lab = root.join("target/debug/ipoib-lab");
+    let mut args = vec!["--duration".to_string(), duration.to_string()];
     if json {
-        c.arg("--json");
+        args.push("--json".into());
     }
-    c.status_ok("ipoib-lab")
+    let ipoib = std::fs::read_dir("/sys/class/net")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| std::fs::read_to_string(e.path().join("type")).is_ok_and(|t| t.trim() == "32"));
+    // Connected mode needs verbs: a real HCA, or soft-RoCE where this kernel has it.
+    let rdma_here = Command::new("modprobe")
+        .args(["-q", "rdma_rxe"])
+        .status()
+        .is_ok_and(|s| s.success())
+        || Path::new("/sys/class/infiniband")
+            .read_dir()
+            .is_ok_and(|mut d| d.next().is_some());
+    if ipoib || rdma_here || no_vm {
+        if !ipoib && rdma_here {
+            args.push("--rdma".into());
+        } else if !ipoib {
+            println!(
+                "==> no RDMA here and --no-vm: the lab with a stand-in for the CM device (no connected mode)"
+            );
+        }
+        return Command::new(lab).args(&args).status_ok("ipoib-lab");
+    }
+    println!(
+        "==> no RDMA on this kernel: the demo runs in the soft-RoCE VM (Debian 6.1, rdma_rxe)"
+    );
+    provision::run(provision::Scope { vm: true })?;
+    let script = format!(
+        "set -eu; modprobe tun; echo '==> ipoib-lab on '$(uname -r); {} --rdma {}",
+        lab.display(),
+        args.join(" ")
+    );
+    vm::run(root, &script, |_| {})
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {

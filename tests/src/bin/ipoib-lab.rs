@@ -30,6 +30,11 @@ struct Args {
     /// Print the final status of both lab nodes as JSON.
     #[arg(long)]
     json: bool,
+    /// Connected mode for real: soft-RoCE (rxe) under the lab, `attach --cm-device`, the
+    /// engine and the policy; then a fault (node B's control loop killed) and the fallback.
+    /// Needs a kernel with rdma_rxe (`cargo xtask run` boots the VM for it).
+    #[arg(long)]
+    rdma: bool,
 }
 
 fn ipoib_interfaces() -> Vec<String> {
@@ -68,8 +73,18 @@ fn demo(args: &Args) -> Result<()> {
     println!(
         "No IPoIB interface here: building the two-node lab (two network namespaces, a veth pair)."
     );
-    let mut lab = Lab::new("demo", true).context("building the lab")?;
-    let result = run_demo(&mut lab, args);
+    let rdma = if args.rdma {
+        Some(ipoib_tests::cmlab::rxe_device().context(
+            "--rdma: no RDMA device and none could be made (this kernel has no rdma_rxe)",
+        )?)
+    } else {
+        None
+    };
+    let mut lab = Lab::new("demo", rdma.is_none()).context("building the lab")?;
+    let result = match &rdma {
+        Some(dev) => run_cm_demo(&mut lab, args, dev),
+        None => run_demo(&mut lab, args),
+    };
     if stop_requested() {
         println!("\ninterrupted");
     }
@@ -171,10 +186,133 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// One line per node: the peer's mode and bytes by path at A, connections at both.
+fn live_line(t: f64, a: &Node, b: &Node) {
+    let sa = status::gather(&a.iface).ok();
+    let peer = sa.as_ref().and_then(|s| {
+        s.peers
+            .iter()
+            .find(|p| p.addr == b.ip4.to_string())
+            .map(|p| (p.mode.clone(), p.traffic.tx_ud_bytes, p.traffic.tx_cm_bytes))
+    });
+    let conns = |s: Option<&status::Status>| {
+        s.and_then(|s| s.cm.as_ref())
+            .map_or("-".to_string(), |c| c.connections.to_string())
+    };
+    let sb = status::gather(&b.iface).ok();
+    let why = sa
+        .as_ref()
+        .and_then(|s| s.cm.as_ref())
+        .and_then(|c| {
+            c.peers
+                .iter()
+                .find(|p| p.addr == std::net::IpAddr::V4(b.ip4))
+        })
+        .map_or_else(String::new, |p| p.why.clone());
+    match peer {
+        Some((mode, ud, cm)) => println!(
+            "{t:5.1}s  A->B {mode:<10} UD {:>9.1} MiB  CM {:>9.1} MiB   connections A {} B {}   {why}",
+            ud as f64 / 1048576.0,
+            cm as f64 / 1048576.0,
+            conns(sa.as_ref()),
+            conns(sb.as_ref()),
+        ),
+        None => println!("{t:5.1}s  A does not know B yet"),
+    }
+}
+
+/// The demo with connected mode for real (soft-RoCE): ping on UD, a bulk TCP flow promoted to
+/// CM, B's control loop killed under the flow (its QPs die with it), the flow on UD, B back,
+/// the flow back on CM after A's backoff.
+fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
+    lab.attach(Which::A, &["--cm-device", dev])?;
+    let mut pid_b = lab.attach(Which::B, &["--cm-device", dev])?;
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    println!(
+        "attached ipoib-ctl with connected mode on {dev} to {} ({}) and {} ({})\n",
+        a.iface, a.ip4, b.iface, b.ip4
+    );
+    let out = a
+        .cmd("ping")
+        .args(["-n", "-q", "-c", "10", "-i", "0.1", &b_ip])
+        .output()?;
+    let (sent, got) = ping_summary(&String::from_utf8_lossy(&out.stdout)).unwrap_or((0, 0));
+    println!(
+        "ping {} -> {}: {got}/{sent} replies (small packets: UD)\n",
+        a.ip4, b.ip4
+    );
+    let secs = args.duration.max(24);
+    println!(
+        "bulk TCP (iperf3) A -> B for {secs} s; node B's control loop is killed at {} s and restarted at {} s\n",
+        secs * 2 / 5,
+        secs * 3 / 5
+    );
+    let mut server = b
+        .cmd("iperf3")
+        .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("iperf3 server (cargo xtask provision installs iperf3)")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = a
+        .cmd("iperf3")
+        .args([
+            "-c",
+            &b_ip,
+            "-p",
+            "5201",
+            "-t",
+            &secs.to_string(),
+            "-f",
+            "m",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let start = Instant::now();
+    let (mut killed, mut restarted) = (false, false);
+    while client.try_wait()?.is_none() && !stop_requested() {
+        sleep_unless_stopped(Duration::from_secs(1));
+        let t = start.elapsed().as_secs_f64();
+        live_line(t, &a, &b);
+        if !killed && t >= f64::from(secs * 2 / 5) {
+            lab.kill9(pid_b);
+            killed = true;
+            println!(
+                "        FAULT: node B's control loop killed (kill -9): its RC QP and engine are gone"
+            );
+        } else if killed && !restarted && t >= f64::from(secs * 3 / 5) {
+            pid_b = lab.attach(Which::B, &["--cm-device", dev])?;
+            restarted = true;
+            println!("        node B's control loop restarted (pid {pid_b})");
+        }
+    }
+    let _ = client.kill();
+    let out = client.wait_with_output()?;
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if let Some(l) = text.lines().rev().find(|l| l.contains("receiver")) {
+        println!("\niperf3 (the flow survived the fault): {}", l.trim());
+    }
+    println!("\n=== final");
+    show("node A", &a);
+    show("node B", &b);
+    if args.json {
+        let both: Vec<_> = [&a, &b]
+            .iter()
+            .filter_map(|n| status::gather(&n.iface).ok())
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&both)?);
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     signals::stop_on_sigint_sigterm();
-    let ifaces = if args.lab {
+    let ifaces = if args.lab || args.rdma {
         Vec::new()
     } else {
         ipoib_interfaces()

@@ -1,0 +1,214 @@
+//! `cargo xtask bench engine` (inside the soft-RoCE VM): TCP throughput between the two lab
+//! nodes with the peer on CM (fast path -> TUN -> engine -> RC on rxe) and with it on UD (the
+//! veth), in the same lab and the same boot, interleaved; and the CPU time each path costs per
+//! byte (all CPUs, from /proc/stat, over the measurement).
+//!
+//! The path is switched with the policy, as an operator would: `mode=connected` promotes the
+//! peer (the measurement starts once it is `cm_up`), `mode=datagram` drains it. The result is
+//! one JSON line after `BENCH-JSON `.
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use clap::Parser;
+use ipoib_tests::{
+    cmlab::rxe_device,
+    lab::{Lab, Node, Which},
+};
+use serde_json::json;
+
+#[derive(Parser)]
+struct Args {
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 8)]
+    seconds: u32,
+    /// Interleaved rounds (CM, then UD); the median of each is reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+}
+
+/// Busy and total ticks of all CPUs.
+fn cpu() -> Result<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let v: Vec<u64> = stat
+        .lines()
+        .next()
+        .context("/proc/stat")?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    ensure!(v.len() >= 5, "/proc/stat: {v:?}");
+    let idle = v[3] + v[4];
+    let total: u64 = v.iter().sum();
+    Ok((total - idle, total))
+}
+
+fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        if a.peer(peer)?.is_some_and(|p| p["mode"] == mode) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    bail!("{peer} did not become {mode} in {within:?}")
+}
+
+fn set_mode(a: &Node, mode: &str) -> Result<()> {
+    let out = a.ctl(&["set-policy", &a.iface, &format!("mode={mode}")])?;
+    ensure!(
+        out.status.success(),
+        "set-policy: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    mbit_s: f64,
+    /// CPU seconds (all CPUs) per GB moved.
+    cpu_s_per_gb: f64,
+    /// Share of the bytes the fast path counted on CM.
+    cm_share: f64,
+}
+
+fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
+    let b_ip = b.ip4.to_string();
+    let before = a.peer(&b_ip)?.context("A knows B")?;
+    let (busy0, _) = cpu()?;
+    let out = a
+        .cmd("iperf3")
+        .args(["-c", &b_ip, "-p", "5210", "-t", &secs.to_string(), "-J"])
+        .output()
+        .context("iperf3 client")?;
+    let (busy1, _) = cpu()?;
+    ensure!(
+        out.status.success(),
+        "iperf3: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let after = a.peer(&b_ip)?.context("A knows B")?;
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let bytes = r["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0);
+    let bps = r["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let d = |k: &str| after[k].as_u64().unwrap_or(0) - before[k].as_u64().unwrap_or(0);
+    let (cm, ud) = (d("tx_cm_bytes") as f64, d("tx_ud_bytes") as f64);
+    // /proc/stat counts in USER_HZ (1/100 s), summed over every CPU.
+    let hz = 100.0;
+    let cpu_s = (busy1 - busy0) as f64 / hz;
+    Ok(Run {
+        mbit_s: bps / 1e6,
+        cpu_s_per_gb: cpu_s / (bytes / 1e9),
+        cm_share: cm / (cm + ud).max(1.0),
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = rxe_device().context("no RDMA device and none could be made (rdma_rxe)")?;
+    let mut lab = Lab::new("bne", false)?;
+    let result = bench(&mut lab, &dev, &args);
+    lab.teardown();
+    result
+}
+
+fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
+    lab.attach(Which::A, &["--cm-device", dev])?;
+    lab.attach(Which::B, &["--cm-device", dev])?;
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let mut server = b
+        .cmd("iperf3")
+        .args(["-s", "-B", &b_ip, "-p", "5210"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("iperf3 server")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut cm_runs = Vec::new();
+    let mut ud_runs = Vec::new();
+    let mut err = None;
+    for round in 0..args.rounds {
+        let r = (|| -> Result<()> {
+            // CM: mode=connected promotes B as soon as A sends it anything (after the hold
+            // that follows the previous round's demotion).
+            set_mode(&a, "connected")?;
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(30)
+                && a.peer(&b_ip)?.is_none_or(|p| p["mode"] != "cm_up")
+            {
+                let _ = a.cmd("ping").args(["-c", "1", "-W", "1", &b_ip]).output();
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(1))?;
+            let cm = iperf(&a, &b, args.seconds)?;
+            // UD: mode=datagram drains the connection; the fast path sends everything UD.
+            set_mode(&a, "datagram")?;
+            wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))?;
+            let ud = iperf(&a, &b, args.seconds)?;
+            eprintln!(
+                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM); UD {:.0} Mbit/s ({:.1} CPU s/GB)",
+                cm.mbit_s,
+                cm.cpu_s_per_gb,
+                cm.cm_share * 100.0,
+                ud.mbit_s,
+                ud.cpu_s_per_gb
+            );
+            cm_runs.push(cm);
+            ud_runs.push(ud);
+            Ok(())
+        })();
+        if let Err(e) = r {
+            err = Some(e);
+            break;
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let med = |v: &mut Vec<Run>| {
+        v.sort_by(|x, y| x.mbit_s.total_cmp(&y.mbit_s));
+        v[v.len() / 2]
+    };
+    let (cm, ud) = (med(&mut cm_runs), med(&mut ud_runs));
+    let r1 = |x: f64| (x * 10.0).round() / 10.0;
+    let out = json!({
+        "bench": "engine",
+        "device": dev,
+        "kernel": String::from_utf8_lossy(&Command::new("uname").arg("-r").output()?.stdout).trim(),
+        "seconds": args.seconds,
+        "rounds": args.rounds,
+        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0},
+        "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb)},
+        "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
+    });
+    println!(
+        "\n{:>4} {:>10} {:>12} {:>10}",
+        "path", "Mbit/s", "CPU s/GB", "CM share"
+    );
+    println!(
+        "{:>4} {:>10.0} {:>12.1} {:>9.0}%",
+        "CM",
+        cm.mbit_s,
+        cm.cpu_s_per_gb,
+        cm.cm_share * 100.0
+    );
+    println!(
+        "{:>4} {:>10.0} {:>12.1} {:>9.0}%",
+        "UD",
+        ud.mbit_s,
+        ud.cpu_s_per_gb,
+        ud.cm_share * 100.0
+    );
+    println!("BENCH-JSON {out}");
+    Ok(())
+}
