@@ -456,3 +456,24 @@ pub fn settle(dev: &str, want: &std::collections::HashMap<String, u64>, keys: &[
 
 /// The verbs resources a node holds.
 pub const COUNTED: &[&str] = &["pd", "cq", "qp", "mr", "srq"];
+
+/// Brings an engine's TUN device up as the tests use it: address `cidr`, MTU 1500 (a UD-sized
+/// link, so only whole GSO super-packets exceed it), gso_max_size 65000 (one RC message with
+/// the header), and no IPv6 link-local address (the kernel's router solicitations and MLD
+/// reports would come to the engine for addresses with no connection).
+pub fn tun_up(dev: &str, cidr: &str) {
+    run(&["ip", "addr", "add", cidr, "dev", dev]);
+    run(&[
+        "ip",
+        "link",
+        "set",
+        dev,
+        "addrgenmode",
+        "none",
+        "mtu",
+        "1500",
+        "gso_max_size",
+        "65000",
+        "up",
+    ]);
+}

@@ -20,7 +20,7 @@ use ipoib_ctl::{
     tun::Tun,
 };
 use ipoib_tests::cmlab::{
-    COUNTED, Netns, Node, Peer, device, in_netns, pattern, rdma_resources, run, settle,
+    COUNTED, Netns, Node, Peer, device, in_netns, pattern, rdma_resources, settle, tun_up,
 };
 
 const BYTES: usize = 48 << 20;
@@ -59,22 +59,7 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
     let node = Arc::new(Node::open(&dev, 512, 256).unwrap());
     let tun = Tun::create("cmt%d", true).unwrap();
     let tun_name = tun.name().to_string();
-    run(&["ip", "addr", "add", "10.98.0.1/24", "dev", &tun_name]);
-    // No IPv6 link-local address: the kernel would send router solicitations and MLD reports
-    // into the engine for addresses that have no connection.
-    run(&[
-        "ip",
-        "link",
-        "set",
-        &tun_name,
-        "addrgenmode",
-        "none",
-        "mtu",
-        "1500",
-        "gso_max_size",
-        "65000",
-        "up",
-    ]);
+    tun_up(&tun_name, "10.98.0.1/24");
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -81,20 +81,7 @@ fn main() -> Result<()> {
         Some(cidr) => {
             let tun = Tun::create("cmn%d", true)?;
             let dev = tun.name().to_string();
-            ipoib_tests::cmlab::run(&["ip", "addr", "add", cidr, "dev", &dev]);
-            ipoib_tests::cmlab::run(&[
-                "ip",
-                "link",
-                "set",
-                &dev,
-                "addrgenmode",
-                "none",
-                "mtu",
-                "1500",
-                "gso_max_size",
-                "65000",
-                "up",
-            ]);
+            ipoib_tests::cmlab::tun_up(&dev, cidr);
             Some(Engine::new(
                 tun,
                 node.res.clone(),

@@ -137,7 +137,7 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
         a.cm_iface.as_deref().unwrap_or("?"),
         args.duration
     );
-    let mut server = b
+    let server = b
         .cmd("iperf3")
         .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
         .stdout(Stdio::null())
@@ -165,19 +165,31 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
         println!("=== {:.0} s", start.elapsed().as_secs_f64());
         show("node A", &a);
     }
+    finish(client, server, "iperf3", &a, &b, args.json)
+}
+
+/// Ends the iperf3 pair, prints its result and the final status of both nodes (and JSON).
+fn finish(
+    mut client: std::process::Child,
+    mut server: std::process::Child,
+    label: &str,
+    a: &Node,
+    b: &Node,
+    json: bool,
+) -> Result<()> {
     let _ = client.kill();
     let out = client.wait_with_output()?;
     let _ = server.kill();
     let _ = server.wait();
     let text = String::from_utf8_lossy(&out.stdout);
     if let Some(l) = text.lines().rev().find(|l| l.contains("receiver")) {
-        println!("\niperf3: {}", l.trim());
+        println!("\n{label}: {}", l.trim());
     }
     println!("\n=== final");
-    show("node A", &a);
-    show("node B", &b);
-    if args.json {
-        let both: Vec<_> = [&a, &b]
+    show("node A", a);
+    show("node B", b);
+    if json {
+        let both: Vec<_> = [a, b]
             .iter()
             .filter_map(|n| status::gather(&n.iface).ok())
             .collect();
@@ -248,7 +260,7 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
         secs * 2 / 5,
         secs * 3 / 5
     );
-    let mut server = b
+    let server = b
         .cmd("iperf3")
         .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
         .stdout(Stdio::null())
@@ -288,25 +300,14 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
             println!("        node B's control loop restarted (pid {pid_b})");
         }
     }
-    let _ = client.kill();
-    let out = client.wait_with_output()?;
-    let _ = server.kill();
-    let _ = server.wait();
-    let text = String::from_utf8_lossy(&out.stdout);
-    if let Some(l) = text.lines().rev().find(|l| l.contains("receiver")) {
-        println!("\niperf3 (the flow survived the fault): {}", l.trim());
-    }
-    println!("\n=== final");
-    show("node A", &a);
-    show("node B", &b);
-    if args.json {
-        let both: Vec<_> = [&a, &b]
-            .iter()
-            .filter_map(|n| status::gather(&n.iface).ok())
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&both)?);
-    }
-    Ok(())
+    finish(
+        client,
+        server,
+        "iperf3 (the flow survived the fault)",
+        &a,
+        &b,
+        args.json,
+    )
 }
 
 fn main() -> ExitCode {
