@@ -415,7 +415,8 @@ fn run(
             return Ok(());
         }
     };
-    let tun_name = format!("{}cm", &iface[..iface.len().min(12)]);
+    // IFNAMSIZ is 16 with the NUL: 13 characters at most before the suffix.
+    let tun_name = format!("{}cm", iface.chars().take(13).collect::<String>());
     let s = match setup(&iface, &opts, &tun_name)
         .and_then(|s| Ok((s, DatapathMaps::from_pins(&pin_dir)?)))
     {
@@ -464,9 +465,13 @@ async fn manage(
         max_connections,
         device,
     } = setup;
-    let tun_ifindex = crate::netdev::Netdev::lookup(&tun)
-        .map(|d| d.ifindex)
-        .unwrap_or(0);
+    let tun_ifindex = match crate::netdev::Netdev::lookup(&tun) {
+        Ok(d) => d.ifindex,
+        Err(e) => {
+            let _ = ready.send(Err(CmError::Io(io::Error::other(e.to_string()))));
+            return Ok(());
+        }
+    };
     let listener =
         match tokio::net::TcpListener::bind(SocketAddr::from(([0u8; 16], opts.ctl_port))).await {
             Ok(l) => l,
@@ -530,6 +535,10 @@ async fn manage(
     promo_cfg.max_connections = max_connections;
     let mut promoter: Promoter<IpAddr> = Promoter::new(promo_cfg, Mode::Auto);
     let mut live: HashMap<IpAddr, Live> = HashMap::new();
+    // Bytes each peer's connections received (the fast path counts only what we send CM): a
+    // connection the peer sends over is not idle.
+    let mut cm_rx: HashMap<IpAddr, u64> = HashMap::new();
+    let mut last_rx: HashMap<u32, u64> = HashMap::new();
     let mut tick = tokio::time::interval(opts.tick);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(stop);
@@ -587,12 +596,18 @@ async fn manage(
                         });
                     }
                 }
+                let rx = stats.rx_by_qp.lock().expect("rx_by_qp").clone();
+                for (ip, l) in &live {
+                    let v = rx.get(&l.qpn).copied().unwrap_or(0);
+                    let before = last_rx.insert(l.qpn, v).unwrap_or(0);
+                    *cm_rx.entry(*ip).or_default() += v.saturating_sub(before);
+                }
                 for (key, t) in maps.traffic().unwrap_or_default() {
                     if let Some(ip) = key.ip() {
                         promoter.observe(now, ip, Sample {
                             tx_packets: t.tx_ud_packets + t.tx_cm_packets,
                             tx_bytes: t.tx_ud_bytes + t.tx_cm_bytes,
-                            cm_bytes: t.tx_cm_bytes,
+                            cm_bytes: t.tx_cm_bytes + cm_rx.get(&ip).copied().unwrap_or(0),
                         });
                     }
                 }
@@ -690,6 +705,8 @@ async fn manage(
                         });
                     }
                     Event::Closed { ip, qpn, remote } => {
+                        stats.rx_by_qp.lock().expect("rx_by_qp").remove(&qpn);
+                        last_rx.remove(&qpn);
                         match live.get(&ip) {
                             // An older connection of a peer that has a new one: leave it be.
                             Some(l) if l.qpn != qpn => continue,

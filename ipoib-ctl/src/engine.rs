@@ -82,6 +82,9 @@ pub struct EngineStats {
     pub rx_errors: AtomicU64,
     /// Writes into the TUN device that failed.
     pub rx_tun_errors: AtomicU64,
+    /// Bytes received per QP (the control plane counts a connection that only receives as
+    /// active; it removes a QP's entry when the connection is gone).
+    pub rx_by_qp: Mutex<HashMap<u32, u64>>,
 }
 
 impl EngineStats {
@@ -454,6 +457,13 @@ impl Core {
                                 self.stats
                                     .rx_bytes
                                     .fetch_add(u64::from(wc.bytes), Ordering::Relaxed);
+                                *self
+                                    .stats
+                                    .rx_by_qp
+                                    .lock()
+                                    .expect("rx_by_qp")
+                                    .entry(wc.qp_num)
+                                    .or_default() += u64::from(wc.bytes);
                             }
                             Err(_) => Self::count(&self.stats.rx_tun_errors),
                         }

@@ -132,6 +132,20 @@ struct CmArgs {
     /// No connected mode: the fast path only, every peer on UD.
     #[arg(long, conflicts_with = "cm_device")]
     no_cm: bool,
+    /// Seconds without traffic over a connection (either way) before it is reaped.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS", value_parser = parse_secs)]
+    cm_idle_after: f64,
+    /// Seconds a connection lives at least, and a demoted peer waits before promotion again.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = parse_secs)]
+    cm_min_hold: f64,
+}
+
+fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.1..=86400.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("`{s}`: 0.1 to 86400 seconds")),
+        Err(e) => Err(format!("`{s}`: {e}")),
+    }
 }
 
 fn parse_qpn(s: &str) -> Result<u32, String> {
@@ -236,7 +250,11 @@ fn cm_options(
         send_slots: 256,
         tick: Duration::from_secs(1),
         status_path: PathBuf::from(attach::RUN_DIR).join(format!("{iface}.cm.json")),
-        promotion: Default::default(),
+        promotion: ipoib_ctl::promotion::Config {
+            idle_after: Duration::from_secs_f64(args.cm_idle_after),
+            min_hold: Duration::from_secs_f64(args.cm_min_hold),
+            ..Default::default()
+        },
     }))
 }
 
@@ -288,8 +306,6 @@ fn control_loop(
     cm_args: &CmArgs,
 ) -> Result<()> {
     let mut att = attach::attach(dev, change)?;
-    att.state.loop_pid = Some(std::process::id());
-    attach::write_state(&att.state)?;
     // Connected mode: explicit (--cm-device) must work; found by itself, it may fail to UD.
     let cm = match cm_options(iface, dev, cm_args, &att)? {
         Some(opts) => match connmgr::start(iface, attach::pin_dir(iface), opts) {
@@ -302,6 +318,10 @@ fn control_loop(
         },
         None => None,
     };
+    // Only now is this loop running: whoever waits for it (status: loop_pid) finds connected
+    // mode set up, and the entries a killed predecessor left CM_UP already reset.
+    att.state.loop_pid = Some(std::process::id());
+    attach::write_state(&att.state)?;
     tracing::info!(
         "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
         if att.adopted { "adopted" } else { "attached" },

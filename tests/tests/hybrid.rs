@@ -140,7 +140,20 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
         assert!(out.status.success());
     }
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
-    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    // B reaps connections idle for 2 s: the one A sends the stream over must not look idle to
+    // B, which only receives over it (its ACKs are small: UD).
+    lab.attach(
+        Which::B,
+        &[
+            "--cm-device",
+            &dev,
+            "--cm-idle-after",
+            "2",
+            "--cm-min-hold",
+            "1",
+        ],
+    )
+    .unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let tun_a = a.status().unwrap()["cm"]["tun"]
@@ -168,7 +181,28 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
         )
     });
     let promoted_after = t0.elapsed();
-    std::thread::sleep(Duration::from_secs(8));
+    std::thread::sleep(Duration::from_secs(4));
+    // Pings while the stream rides CM: small, so UD (the fast path's `tx_ud_small`).
+    let small = |s: &serde_json::Value| u(&s["reasons"]["tx_ud_small"], "packets");
+    let before = a.status().unwrap();
+    let ping = a
+        .cmd("ping")
+        .args(["-c", "5", "-i", "0.2", "-W", "2", &b_ip])
+        .output()
+        .unwrap();
+    assert!(
+        ping.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ping.stdout)
+    );
+    let after = a.status().unwrap();
+    assert!(
+        small(&after) >= small(&before) + 5,
+        "5 pings, {} small packets counted UD",
+        small(&after) - small(&before)
+    );
+    assert_eq!(a.peer(&b_ip).unwrap().unwrap()["mode"], "cm_up");
+    std::thread::sleep(Duration::from_secs(3));
     let during = a.status().unwrap();
     let sent = stream.finish();
 
@@ -221,30 +255,13 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
         .and_then(|ps| ps.iter().find(|p| p["addr"] == b_ip.as_str()).cloned())
         .expect("B in A's CM status");
     assert_eq!(peer_why["state"], "cm", "{peer_why}");
+    assert_eq!(
+        peer_why["promotions"], 1,
+        "the connection was lost and set up again: {peer_why}"
+    );
     // B took the connection as the passive side: it uses it too.
     let b_status = b.status().unwrap();
     assert_eq!(b_status["cm"]["connections"], 1, "{:#}", b_status["cm"]);
-
-    // Pings while the connection is up: small, so UD.
-    let before = a.peer(&b_ip).unwrap().unwrap();
-    let ping = a
-        .cmd("ping")
-        .args(["-c", "5", "-i", "0.2", "-W", "2", &b_ip])
-        .output()
-        .unwrap();
-    assert!(
-        ping.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ping.stdout)
-    );
-    let after = a.peer(&b_ip).unwrap().unwrap();
-    assert!(u(&after, "tx_ud_packets") >= u(&before, "tx_ud_packets") + 5);
-    assert_eq!(
-        u(&after, "tx_cm_packets"),
-        u(&before, "tx_cm_packets"),
-        "a ping went CM"
-    );
-    assert_eq!(a.peer(&b_ip).unwrap().unwrap()["mode"], "cm_up");
 
     // Detach A: its control loop stops connected mode, B sees the connection close, A's TUN
     // device goes. Then everything: QPs back to where they were.
@@ -331,6 +348,92 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
         )
     });
     eprintln!("B restarted: back on CM after {:.1?}", t.elapsed());
+    std::thread::sleep(Duration::from_secs(4));
+    let later = a.peer(&b_ip).unwrap().unwrap();
+    assert!(
+        u(&later, "tx_cm_bytes") > u(&back, "tx_cm_bytes") + (1 << 20),
+        "back on CM, yet the flow does not go CM: {later}"
+    );
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// Brings the soft-RoCE device's netdev back up however the test ends.
+struct LinkUp(&'static str);
+impl Drop for LinkUp {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "set", self.0, "up"])
+            .output();
+    }
+}
+
+/// The RC path fails under the flow while both control loops live: the link under the RDMA
+/// device goes down, A's sends exhaust their retries and complete in error, the engine reports
+/// the QP error, A marks B UD and backs off; the stream goes on over UD, intact. The link back,
+/// a retry after the backoff connects again and the flow returns to CM.
+#[test]
+fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
+    let test = "a_failed_rc_path_falls_back_to_ud_and_returns_to_cm";
+    let Some(dev) = device(test) else {
+        return;
+    };
+    if let Some(why) = lab_unavailable() {
+        panic!("{test}: RDMA is here but the lab cannot run: {why}");
+    }
+    let netdev = std::fs::read_dir(format!("/sys/class/infiniband/{dev}/device/net"))
+        .ok()
+        .and_then(|mut d| d.next())
+        .and_then(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .unwrap_or_else(|| "rxev0".into());
+    assert_eq!(netdev, "rxev0", "the test's rxe device runs on rxev0");
+    let baseline = rdma_resources(&dev);
+    let mut lab = Lab::new("hyq", false).unwrap();
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5303);
+    wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(12)).expect("promoted");
+
+    let guard = LinkUp("rxev0");
+    let out = std::process::Command::new("ip")
+        .args(["link", "set", "rxev0", "down"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let t = Instant::now();
+    let fell = wait_mode(&a, &b_ip, "ud", Duration::from_secs(15)).unwrap_or_else(|| {
+        panic!(
+            "A kept B on CM with the RC path down: {:#}",
+            a.status().unwrap()["cm"]
+        )
+    });
+    eprintln!("RC path down: A fell back to UD after {:.1?}", t.elapsed());
+    let cm = a.status().unwrap()["cm"].clone();
+    assert!(
+        u(&cm["engine"], "send_errors") > 0,
+        "the fallback came from something else than the QP error: {cm:#}"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let on_ud = a.peer(&b_ip).unwrap().unwrap();
+    assert!(
+        u(&on_ud, "tx_ud_bytes") > u(&fell, "tx_ud_bytes") + (1 << 20),
+        "the flow did not go on over UD: {on_ud}"
+    );
+
+    drop(guard);
+    let t = Instant::now();
+    let back = wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(90)).unwrap_or_else(|| {
+        panic!(
+            "not back on CM within 90 s of the link's return: {:#}",
+            a.status().unwrap()["cm"]
+        )
+    });
+    eprintln!("RC path up: back on CM after {:.1?}", t.elapsed());
     std::thread::sleep(Duration::from_secs(4));
     let later = a.peer(&b_ip).unwrap().unwrap();
     assert!(
