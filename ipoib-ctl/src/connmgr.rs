@@ -325,6 +325,11 @@ fn gso_max_size(iface: &str) -> Option<u64> {
 }
 
 fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError> {
+    tracing::info!(
+        "starting connected mode on {iface}: {} port {}",
+        opts.device,
+        opts.port
+    );
     let caps = verbs::discover()?;
     let d = caps
         .iter()

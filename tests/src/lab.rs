@@ -217,7 +217,9 @@ impl Lab {
             .context("spawning ipoib-ctl attach")?;
         let pid = child.id();
         self.children.push(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
+        // Loading the programs and setting up connected mode (registering the receive buffers)
+        // take seconds under software emulation: seen 11 s for the load alone in the VM.
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(s) = n.status()
                 && s["loop_running"] == true

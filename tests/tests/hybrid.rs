@@ -204,6 +204,7 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
     assert_eq!(a.peer(&b_ip).unwrap().unwrap()["mode"], "cm_up");
     std::thread::sleep(Duration::from_secs(3));
     let during = a.status().unwrap();
+    let b_during = b.status().unwrap();
     let sent = stream.finish();
 
     let end = a.peer(&b_ip).unwrap().unwrap();
@@ -259,9 +260,9 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
         peer_why["promotions"], 1,
         "the connection was lost and set up again: {peer_why}"
     );
-    // B took the connection as the passive side: it uses it too.
-    let b_status = b.status().unwrap();
-    assert_eq!(b_status["cm"]["connections"], 1, "{:#}", b_status["cm"]);
+    // B took the connection as the passive side, and kept it while the stream came in over
+    // it (it reaps after 2 s idle, and counts what it receives).
+    assert_eq!(b_during["cm"]["connections"], 1, "{:#}", b_during["cm"]);
 
     // Detach A: its control loop stops connected mode, B sees the connection close, A's TUN
     // device goes. Then everything: QPs back to where they were.
@@ -442,6 +443,84 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
     );
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// The handshake port blocked at the peer (its TCP SYNs dropped): A's setups time out, B stays
+/// on UD with A backing off, the stream goes on over UD, intact, and nothing is left half set
+/// up. Unblocked, a retry after the backoff connects and the flow goes CM.
+#[test]
+fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
+    let test = "a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens";
+    let Some(dev) = device(test) else {
+        return;
+    };
+    if let Some(why) = lab_unavailable() {
+        panic!("{test}: RDMA is here but the lab cannot run: {why}");
+    }
+    let baseline = rdma_resources(&dev);
+    let mut lab = Lab::new("hyp", false).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let nft = |script: &str| {
+        let mut c = b
+            .cmd("nft")
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("nft (cargo xtask provision --vm installs nftables)");
+        c.stdin
+            .take()
+            .unwrap()
+            .write_all(script.as_bytes())
+            .unwrap();
+        assert!(c.wait().unwrap().success(), "nft: {script}");
+    };
+    nft(
+        "table inet hs {\n chain in {\n  type filter hook input priority 0; policy accept;\n  tcp dport 4755 drop\n }\n}\n",
+    );
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    let stream = Stream::start(&a, &b, 5304);
+
+    // 15 s blocked: never CM, at least one setup given up (timeouts), the stream on UD.
+    let t = Instant::now();
+    let start = a.peer(&b_ip).unwrap();
+    while t.elapsed() < Duration::from_secs(15) {
+        if let Ok(Some(p)) = a.peer(&b_ip) {
+            assert_ne!(p["mode"], "cm_up", "CM with the handshake port blocked");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let cm = a.status().unwrap()["cm"].clone();
+    let peer = cm["peers"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["addr"] == b_ip.as_str()).cloned())
+        .expect("B in A's CM status");
+    eprintln!("blocked for 15 s: {peer}");
+    assert!(u(&peer, "failures") >= 1, "no setup was given up: {peer}");
+    assert!(u(&cm, "failed") >= 1, "{cm:#}");
+    assert_eq!(cm["connections"], 0);
+    let now = a.peer(&b_ip).unwrap().unwrap();
+    let before = start.map_or(0, |p| u(&p, "tx_ud_bytes"));
+    assert!(
+        u(&now, "tx_ud_bytes") > before + (1 << 20),
+        "the stream did not go on over UD: {now}"
+    );
+
+    // Open again: promoted after the backoff.
+    nft("delete table inet hs");
+    let t = Instant::now();
+    wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(60)).unwrap_or_else(|| {
+        panic!(
+            "not on CM 60 s after the port opened: {:#}",
+            a.status().unwrap()["cm"]
+        )
+    });
+    eprintln!("port open: on CM after {:.1?}", t.elapsed());
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact", sent >> 20);
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }

@@ -59,6 +59,7 @@ const VM_PACKAGES: &[(&str, &str)] = &[
     ("iproute2", "`rdma link add` creates the rxe device"),
     ("perftest", "ib_send_bw, the throughput baseline"),
     ("busybox-static", "a static init-time toolbox inside the VM"),
+    ("nftables", "blocks the handshake port in the fault tests"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
