@@ -12,7 +12,7 @@ use std::{
     io,
     net::{IpAddr, SocketAddr},
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::Arc,
     thread::JoinHandle,
     time::Duration,
 };
@@ -174,8 +174,6 @@ pub fn read_status(iface: &str) -> Option<CmStatus> {
 pub struct CmHandle {
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<Result<(), CmError>>>,
-    pub tun: String,
-    pub status: Arc<Mutex<CmStatus>>,
 }
 
 impl CmHandle {
@@ -220,18 +218,14 @@ fn ip_cmd(dev: &str, args: &[&str]) -> Result<(), CmError> {
 pub fn start(iface: &str, pin_dir: PathBuf, opts: CmOptions) -> Result<CmHandle, CmError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = oneshot::channel();
-    let status = Arc::new(Mutex::new(CmStatus::default()));
     let iface = iface.to_string();
-    let st = status.clone();
     let thread = std::thread::Builder::new()
         .name("ipoib-cm".into())
-        .spawn(move || run(iface, pin_dir, opts, ready_tx, stop_rx, st))?;
+        .spawn(move || run(iface, pin_dir, opts, ready_tx, stop_rx))?;
     match ready_rx.recv() {
-        Ok(Ok(tun)) => Ok(CmHandle {
+        Ok(Ok(())) => Ok(CmHandle {
             stop: Some(stop_tx),
             thread: Some(thread),
-            tun,
-            status,
         }),
         Ok(Err(e)) => {
             let _ = thread.join();
@@ -406,9 +400,8 @@ fn run(
     iface: String,
     pin_dir: PathBuf,
     opts: CmOptions,
-    ready: std::sync::mpsc::Sender<Result<String, CmError>>,
+    ready: std::sync::mpsc::Sender<Result<(), CmError>>,
     stop: oneshot::Receiver<()>,
-    status: Arc<Mutex<CmStatus>>,
 ) -> Result<(), CmError> {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -434,16 +427,7 @@ fn run(
     let (setup, maps) = s;
     let tun = setup.engine.tun_name().to_string();
     let status_path = opts.status_path.clone();
-    let r = rt.block_on(manage(
-        iface.clone(),
-        opts,
-        setup,
-        maps,
-        tun,
-        ready,
-        stop,
-        status,
-    ));
+    let r = rt.block_on(manage(iface.clone(), opts, setup, maps, tun, ready, stop));
     if let Err(e) = &r {
         tracing::error!("connected mode on {iface} stopped on an error: {e}");
         let _ = std::fs::remove_file(status_path);
@@ -458,9 +442,8 @@ async fn manage(
     setup: Setup,
     mut maps: DatapathMaps,
     tun: String,
-    ready: std::sync::mpsc::Sender<Result<String, CmError>>,
+    ready: std::sync::mpsc::Sender<Result<(), CmError>>,
     stop: oneshot::Receiver<()>,
-    status: Arc<Mutex<CmStatus>>,
 ) -> Result<(), CmError> {
     let Setup {
         gso_before,
@@ -525,7 +508,7 @@ async fn manage(
         let _ = ready.send(Err(e));
         return Ok(());
     }
-    let _ = ready.send(Ok(tun.clone()));
+    let _ = ready.send(Ok(()));
     tracing::info!(
         "CM on {iface}: {device} port {} ({} GID index {}), TUN {tun}, SRQ {srq_depth} x {} B, \
          at most {max_connections} connections, handshake on TCP {}",
@@ -651,7 +634,6 @@ async fn manage(
                 if let Ok(json) = serde_json::to_vec_pretty(&snapshot) {
                     let _ = std::fs::write(&opts.status_path, json);
                 }
-                *status.lock().expect("status") = snapshot;
             }
             Some(e) = eng_rx.recv() => match e {
                 EngineEvent::Congested(ip) if live.contains_key(&ip) => {

@@ -234,6 +234,14 @@ struct Core {
     events: Option<tokio::sync::mpsc::UnboundedSender<EngineEvent>>,
 }
 
+/// Reports `e` to the control plane, if it listens. (A free function over the field, so it
+/// can be called while a flow of the same core is borrowed.)
+fn tell(events: &Option<tokio::sync::mpsc::UnboundedSender<EngineEvent>>, e: EngineEvent) {
+    if let Some(tx) = events {
+        let _ = tx.send(e);
+    }
+}
+
 /// The destination address of an IP packet.
 fn destination(pkt: &[u8]) -> Option<IpAddr> {
     match pkt.first()? >> 4 {
@@ -366,12 +374,6 @@ impl Core {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn tell(&self, e: EngineEvent) {
-        if let Some(tx) = &self.events {
-            let _ = tx.send(e);
-        }
-    }
-
     /// One packet read from the TUN device: to its connection.
     fn transmit(&mut self, msg: &[u8]) -> Result<(), EngineError> {
         let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
@@ -402,7 +404,7 @@ impl Core {
             Self::count(&self.stats.tx_backpressure);
             if !flow.congested {
                 flow.congested = true;
-                self.tell(EngineEvent::Congested(dst));
+                tell(&self.events, EngineEvent::Congested(dst));
             }
             return Ok(());
         }
@@ -491,9 +493,7 @@ impl Core {
                             qpn: wc.qp_num,
                             status,
                         };
-                        if let Some(tx) = &self.events {
-                            let _ = tx.send(e);
-                        }
+                        tell(&self.events, e);
                     }
                     if flow.in_flight == 0 {
                         // Every send of the dead QP is back: forget it.
@@ -502,14 +502,12 @@ impl Core {
                     continue;
                 }
                 if let Some((s, len)) = flow.waiting.pop_front() {
+                    // The flow's own destination, still routed to this QP.
                     let qp = self
                         .routes
-                        .0
-                        .lock()
-                        .expect("routes")
-                        .values()
-                        .find(|r| r.qp.qpn() == wc.qp_num)
-                        .map(|r| r.qp.clone());
+                        .get(&flow.dst)
+                        .filter(|r| r.qp.qpn() == wc.qp_num)
+                        .map(|r| r.qp);
                     match qp.map(|qp| qp.post_send(&self.send, s, len, u64::from(s))) {
                         Some(Ok(())) => {
                             flow.in_flight += 1;
@@ -523,9 +521,7 @@ impl Core {
                 }
                 if flow.congested && flow.waiting.is_empty() {
                     flow.congested = false;
-                    if let Some(tx) = &self.events {
-                        let _ = tx.send(EngineEvent::Drained(flow.dst));
-                    }
+                    tell(&self.events, EngineEvent::Drained(flow.dst));
                 }
             }
             if !repost.is_empty() {

@@ -112,6 +112,26 @@ impl Node {
             .and_then(|ps| ps.iter().find(|p| p["addr"] == addr).cloned()))
     }
 
+    /// Waits up to `within` for this node's entry of `peer` to be in `mode` ("ud", "cm_up",
+    /// ...); the entry then, or None.
+    pub fn wait_peer_mode(
+        &self,
+        peer: &str,
+        mode: &str,
+        within: Duration,
+    ) -> Option<serde_json::Value> {
+        let t = Instant::now();
+        while t.elapsed() < within {
+            if let Ok(Some(p)) = self.peer(peer)
+                && p["mode"] == mode
+            {
+                return Some(p);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        None
+    }
+
     /// ifindex of `iface` in this namespace.
     pub fn ifindex(&self, iface: &str) -> Result<u32> {
         let out = must(self.cmd("ip").args(["-o", "link", "show", "dev", iface]))?;
@@ -304,6 +324,11 @@ impl Drop for Lab {
 pub enum Which {
     A,
     B,
+}
+
+/// A counter in `status --json` output (0 when absent).
+pub fn json_u64(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or(0)
 }
 
 /// Whether the lab can run here: root, `ip`, `nsenter`. Returns a reason when it cannot.

@@ -8,6 +8,7 @@
 //! (no RDMA) the test skips loudly; `cargo xtask vm-test` runs it with IPOIB_REQUIRE_RDMA=1.
 
 use std::{
+    collections::HashMap,
     io::{Read as _, Write as _},
     net::{TcpListener, TcpStream},
     sync::{
@@ -19,7 +20,7 @@ use std::{
 
 use ipoib_tests::{
     cmlab::{COUNTED, device, in_netns, rdma_resources, settle},
-    lab::{Lab, Node, Which, lab_unavailable},
+    lab::{Lab, Node, Which, json_u64 as u, lab_unavailable},
 };
 
 /// The stream repeats this pattern; its length is prime (65521), so a lost, duplicated or
@@ -100,35 +101,23 @@ impl Stream {
     }
 }
 
-/// Waits up to `within` for A's entry of `peer` to be in `mode`.
-fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Option<serde_json::Value> {
-    let t = Instant::now();
-    while t.elapsed() < within {
-        if let Ok(Some(p)) = a.peer(peer)
-            && p["mode"] == mode
-        {
-            return Some(p);
-        }
-        std::thread::sleep(Duration::from_millis(100));
+/// The rxe device, the device's resource counts before the test, and a fresh lab named
+/// `tag`; None after a loud skip where the kernel has no RDMA.
+fn rdma_lab(test: &str, tag: &str) -> Option<(String, HashMap<String, u64>, Lab)> {
+    let dev = device(test)?;
+    if let Some(why) = lab_unavailable() {
+        panic!("{test}: RDMA is here but the lab cannot run: {why}");
     }
-    None
-}
-
-fn u(v: &serde_json::Value, k: &str) -> u64 {
-    v[k].as_u64().unwrap_or(0)
+    let baseline = rdma_resources(&dev);
+    Some((dev, baseline, Lab::new(tag, false).unwrap()))
 }
 
 #[test]
 fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
     let test = "bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud";
-    let Some(dev) = device(test) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyb") else {
         return;
     };
-    if let Some(why) = lab_unavailable() {
-        panic!("{test}: RDMA is here but the lab cannot run: {why}");
-    }
-    let baseline = rdma_resources(&dev);
-    let mut lab = Lab::new("hyb", false).unwrap();
     // Loose reverse-path filtering, as systemd sets it on most distributions (the lab sets 0,
     // which the other test keeps): connected mode must make the TUN device pass it.
     for n in [&lab.a, &lab.b] {
@@ -164,16 +153,7 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
     let stream = Stream::start(&a, &b, 5301);
     // Promotion: B becomes cm_up at A within a few ticks of the flow starting.
     let t0 = Instant::now();
-    let mut at_promotion = None;
-    while t0.elapsed() < Duration::from_secs(12) {
-        if let Ok(Some(p)) = a.peer(&b_ip)
-            && p["mode"] == "cm_up"
-        {
-            at_promotion = Some(p);
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let at_promotion = a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12));
     let at_promotion = at_promotion.unwrap_or_else(|| {
         panic!(
             "B was not promoted at A in 12 s: {:#}",
@@ -301,24 +281,21 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
 #[test]
 fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
     let test = "a_killed_peer_falls_back_to_ud_and_returns_to_cm";
-    let Some(dev) = device(test) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyk") else {
         return;
     };
-    if let Some(why) = lab_unavailable() {
-        panic!("{test}: RDMA is here but the lab cannot run: {why}");
-    }
-    let baseline = rdma_resources(&dev);
-    let mut lab = Lab::new("hyk", false).unwrap();
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     let pid_b = lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5302);
-    wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(12)).expect("promoted");
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
+        .expect("promoted");
 
     lab.kill9(pid_b);
     let t = Instant::now();
-    let fell = wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))
+    let fell = a
+        .wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
         .expect("A kept B on CM after B's engine died");
     eprintln!("B killed: A fell back to UD after {:.1?}", t.elapsed());
     // The flow goes on over UD.
@@ -342,12 +319,14 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
     );
     // After A's backoff the flow is promoted again.
     let t = Instant::now();
-    let back = wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(30)).unwrap_or_else(|| {
-        panic!(
-            "not promoted again within 30 s: {:#}",
-            a.status().unwrap()["cm"]
-        )
-    });
+    let back = a
+        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(30))
+        .unwrap_or_else(|| {
+            panic!(
+                "not promoted again within 30 s: {:#}",
+                a.status().unwrap()["cm"]
+            )
+        });
     eprintln!("B restarted: back on CM after {:.1?}", t.elapsed());
     std::thread::sleep(Duration::from_secs(4));
     let later = a.peer(&b_ip).unwrap().unwrap();
@@ -378,12 +357,9 @@ impl Drop for LinkUp {
 #[test]
 fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
     let test = "a_failed_rc_path_falls_back_to_ud_and_returns_to_cm";
-    let Some(dev) = device(test) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyq") else {
         return;
     };
-    if let Some(why) = lab_unavailable() {
-        panic!("{test}: RDMA is here but the lab cannot run: {why}");
-    }
     let netdev = std::fs::read_dir(format!("/sys/class/infiniband/{dev}/device/net"))
         .ok()
         .and_then(|mut d| d.next())
@@ -391,14 +367,13 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .unwrap_or_else(|| "rxev0".into());
     assert_eq!(netdev, "rxev0", "the test's rxe device runs on rxev0");
-    let baseline = rdma_resources(&dev);
-    let mut lab = Lab::new("hyq", false).unwrap();
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5303);
-    wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(12)).expect("promoted");
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
+        .expect("promoted");
 
     let guard = LinkUp("rxev0");
     let out = std::process::Command::new("ip")
@@ -407,12 +382,14 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
         .unwrap();
     assert!(out.status.success());
     let t = Instant::now();
-    let fell = wait_mode(&a, &b_ip, "ud", Duration::from_secs(15)).unwrap_or_else(|| {
-        panic!(
-            "A kept B on CM with the RC path down: {:#}",
-            a.status().unwrap()["cm"]
-        )
-    });
+    let fell = a
+        .wait_peer_mode(&b_ip, "ud", Duration::from_secs(15))
+        .unwrap_or_else(|| {
+            panic!(
+                "A kept B on CM with the RC path down: {:#}",
+                a.status().unwrap()["cm"]
+            )
+        });
     eprintln!("RC path down: A fell back to UD after {:.1?}", t.elapsed());
     let cm = a.status().unwrap()["cm"].clone();
     assert!(
@@ -428,12 +405,14 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
 
     drop(guard);
     let t = Instant::now();
-    let back = wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(90)).unwrap_or_else(|| {
-        panic!(
-            "not back on CM within 90 s of the link's return: {:#}",
-            a.status().unwrap()["cm"]
-        )
-    });
+    let back = a
+        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(90))
+        .unwrap_or_else(|| {
+            panic!(
+                "not back on CM within 90 s of the link's return: {:#}",
+                a.status().unwrap()["cm"]
+            )
+        });
     eprintln!("RC path up: back on CM after {:.1?}", t.elapsed());
     std::thread::sleep(Duration::from_secs(4));
     let later = a.peer(&b_ip).unwrap().unwrap();
@@ -453,14 +432,9 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
 #[test]
 fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
     let test = "a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens";
-    let Some(dev) = device(test) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyp") else {
         return;
     };
-    if let Some(why) = lab_unavailable() {
-        panic!("{test}: RDMA is here but the lab cannot run: {why}");
-    }
-    let baseline = rdma_resources(&dev);
-    let mut lab = Lab::new("hyp", false).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let nft = |script: &str| {
@@ -512,12 +486,13 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
     // Open again: promoted after the backoff.
     nft("delete table inet hs");
     let t = Instant::now();
-    wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(60)).unwrap_or_else(|| {
-        panic!(
-            "not on CM 60 s after the port opened: {:#}",
-            a.status().unwrap()["cm"]
-        )
-    });
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(60))
+        .unwrap_or_else(|| {
+            panic!(
+                "not on CM 60 s after the port opened: {:#}",
+                a.status().unwrap()["cm"]
+            )
+        });
     eprintln!("port open: on CM after {:.1?}", t.elapsed());
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact", sent >> 20);

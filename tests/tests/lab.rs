@@ -8,7 +8,7 @@ use std::{
 
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
 use ipoib_ctl::maps::DatapathMaps;
-use ipoib_tests::lab::*;
+use ipoib_tests::lab::{json_u64 as u, *};
 
 fn lab_or_skip(test: &str, tag: &str, cm_path: bool) -> Option<Lab> {
     if let Some(why) = lab_unavailable() {
@@ -46,10 +46,6 @@ fn kernel_at_least(major: u32, minor: u32) -> bool {
         .filter_map(|x| x.parse::<u32>().ok());
     let (ma, mi) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
     (ma, mi) >= (major, minor)
-}
-
-fn u(v: &serde_json::Value, k: &str) -> u64 {
-    v[k].as_u64().unwrap_or(0)
 }
 
 fn reason(status: &serde_json::Value, name: &str) -> u64 {

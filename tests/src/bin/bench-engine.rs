@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
 use ipoib_tests::{
     cmlab::rxe_device,
@@ -30,8 +30,8 @@ struct Args {
     rounds: u32,
 }
 
-/// Busy and total ticks of all CPUs.
-fn cpu() -> Result<(u64, u64)> {
+/// Busy ticks of all CPUs.
+fn cpu() -> Result<u64> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     let v: Vec<u64> = stat
         .lines()
@@ -43,19 +43,13 @@ fn cpu() -> Result<(u64, u64)> {
         .collect();
     ensure!(v.len() >= 5, "/proc/stat: {v:?}");
     let idle = v[3] + v[4];
-    let total: u64 = v.iter().sum();
-    Ok((total - idle, total))
+    Ok(v.iter().sum::<u64>() - idle)
 }
 
 fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
-    let t = Instant::now();
-    while t.elapsed() < within {
-        if a.peer(peer)?.is_some_and(|p| p["mode"] == mode) {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    bail!("{peer} did not become {mode} in {within:?}")
+    a.wait_peer_mode(peer, mode, within)
+        .map(|_| ())
+        .with_context(|| format!("{peer} did not become {mode} in {within:?}"))
 }
 
 fn set_mode(a: &Node, mode: &str) -> Result<()> {
@@ -80,13 +74,13 @@ struct Run {
 fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
     let before = a.peer(&b_ip)?.context("A knows B")?;
-    let (busy0, _) = cpu()?;
+    let busy0 = cpu()?;
     let out = a
         .cmd("iperf3")
         .args(["-c", &b_ip, "-p", "5210", "-t", &secs.to_string(), "-J"])
         .output()
         .context("iperf3 client")?;
-    let (busy1, _) = cpu()?;
+    let busy1 = cpu()?;
     ensure!(
         out.status.success(),
         "iperf3: {}",
