@@ -114,6 +114,9 @@ pub struct AttachState {
     pub xdp_mode: String,
     /// The control plane's memory budget (bytes) when set by policy; `None`: worked out.
     pub memory_budget: Option<u64>,
+    /// Policy `max-connections`; `None`: as many as the memory plan allows.
+    #[serde(default)]
+    pub max_connections: Option<u32>,
     /// pid of the control loop in charge, if one runs.
     pub loop_pid: Option<u32>,
 }
@@ -312,6 +315,7 @@ fn fresh_attach(
         egress: egress_kind,
         xdp_mode: mode.to_string(),
         memory_budget: change.and_then(|c| c.memory_budget),
+        max_connections: change.and_then(|c| c.max_connections),
         loop_pid: None,
     };
     write_state(&state)?;
@@ -338,6 +342,7 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
         },
         xdp_mode: "unknown".into(),
         memory_budget: None,
+        max_connections: None,
         loop_pid: None,
     });
     if state.ifindex != dev.ifindex {
@@ -394,8 +399,9 @@ pub fn set_policy(
     let next = change.apply(&current, pins_after(maps, change)?)?;
     apply_peer_pins(maps, change)?;
     maps.set_policy(&next)?;
-    if let Some(b) = change.memory_budget {
-        state.memory_budget = Some(b);
+    if change.memory_budget.is_some() || change.max_connections.is_some() {
+        state.memory_budget = change.memory_budget.or(state.memory_budget);
+        state.max_connections = change.max_connections.or(state.max_connections);
         write_state(state)?;
     }
     Ok(next)

@@ -12,7 +12,10 @@ use std::{
     io,
     net::{IpAddr, SocketAddr},
     path::PathBuf,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     thread::JoinHandle,
     time::Duration,
 };
@@ -23,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     clock::monotonic_ns,
-    cm::{Cm, Connection, HwAddr, Resources, SetupConfig, SetupError},
+    cm::{Cm, Connection, Gone, HwAddr, RejectReason, Resources, SetupConfig, SetupError},
     engine::{Engine, EngineConfig, EngineError, EngineEvent, EngineStats, Route, Routes},
     maps::{DatapathMaps, MapsError},
     plan::{self, CM_BUF_SIZE, PAGE_SIZE, PlanKind},
@@ -32,7 +35,9 @@ use crate::{
         Action, Config as PromotionConfig, Failure, Pin as PeerPin, Promoter, Sample, State,
     },
     tun::{Tun, TunError},
-    verbs::{self, CompletionQueue, Device, MemoryRegion, SharedReceiveQueue, VerbsError},
+    verbs::{
+        self, AsyncEvent, CompletionQueue, Device, MemoryRegion, SharedReceiveQueue, VerbsError,
+    },
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +160,9 @@ pub struct CmStatus {
     pub device: String,
     pub tun: String,
     pub srq_depth: u32,
+    /// Times fewer than a quarter of the SRQ's buffers were posted (the SRQ limit event).
+    #[serde(default)]
+    pub srq_low_events: u64,
     pub max_connections: usize,
     pub mode: String,
     pub connections: usize,
@@ -244,11 +252,11 @@ pub fn start(iface: &str, pin_dir: PathBuf, opts: CmOptions) -> Result<CmHandle,
 enum Event {
     Established(IpAddr, Connection),
     SetupFailed(IpAddr, SetupError),
-    /// The connection ended: `remote` when the peer closed it or went away.
+    /// The connection ended: `gone` says how the peer went, None when we closed it.
     Closed {
         ip: IpAddr,
         qpn: u32,
-        remote: bool,
+        gone: Option<Gone>,
     },
 }
 
@@ -268,6 +276,8 @@ struct Setup {
     srq_depth: u32,
     max_connections: usize,
     device: String,
+    /// The open device, for its asynchronous events.
+    dev: Device,
 }
 
 /// Makes the stack accept IPv4 packets written into the TUN device from peers whose route is
@@ -393,6 +403,7 @@ fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError
         srq_depth: depth,
         max_connections: p.max_cm_peers as usize,
         device: opts.device.clone(),
+        dev,
     })
 }
 
@@ -452,6 +463,7 @@ async fn manage(
         srq_depth,
         max_connections,
         device,
+        dev,
     } = setup;
     let tun_ifindex = match crate::netdev::Netdev::lookup(&tun) {
         Ok(d) => d.ifindex,
@@ -469,6 +481,16 @@ async fn manage(
             }
         };
     let cm = Arc::new(Cm::new(res.clone(), opts.ud_qpn, SetupConfig::default()));
+    // The plan's cap, lowered by policy `max-connections` (read again on every tick, so a
+    // change takes effect live).
+    let plan_max = max_connections;
+    let cap = |iface: &str| {
+        crate::attach::read_state(iface)
+            .and_then(|s| s.max_connections)
+            .map_or(plan_max, |n| (n as usize).min(plan_max))
+    };
+    let mut max_connections = cap(&iface);
+    cm.set_limit(max_connections);
     let routes = engine.routes();
     let stats = engine.stats();
     let (eng_tx, mut eng_rx) = mpsc::unbounded_channel::<EngineEvent>();
@@ -482,6 +504,41 @@ async fn manage(
             .await;
         (engine, r)
     });
+    // The device's asynchronous events (a QP gone fatal with no send in flight to report it,
+    // the SRQ running low, a port changing state), read on a thread of their own.
+    let (dev_tx, mut dev_rx) = mpsc::unbounded_channel::<AsyncEvent>();
+    let dev_stop = Arc::new(AtomicBool::new(false));
+    let dev_thread = std::thread::Builder::new()
+        .name("cm-device-events".into())
+        .spawn({
+            let stop = dev_stop.clone();
+            move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match dev.async_event(Duration::from_millis(250)) {
+                        Ok(Some(e)) => {
+                            if dev_tx.send(e).is_err() {
+                                return;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!("no more device events: {e}");
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    let dev_thread = match dev_thread {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = ready.send(Err(e.into()));
+            return Ok(());
+        }
+    };
+    let srq_limit = srq_depth / 4;
+    let mut srq_low: u64 = 0;
+    let mut srq_armed = true;
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<Event>();
     let (acc_tx, mut acc_rx) = mpsc::unbounded_channel();
     tokio::spawn(cm.clone().serve(listener, acc_tx));
@@ -548,23 +605,25 @@ async fn manage(
         )?;
         Ok(())
     };
-    // Watches a live connection: ends it on request or when the peer goes.
-    let watch = |ip: IpAddr, mut c: Connection, ev: mpsc::UnboundedSender<Event>| {
-        let (close_tx, close_rx) = oneshot::channel::<()>();
-        let qpn = c.qp.qpn();
-        tokio::spawn(async move {
-            let remote = tokio::select! {
-                _ = c.closed() => true,
-                _ = close_rx => false,
-            };
-            c.close();
-            let _ = ev.send(Event::Closed { ip, qpn, remote });
-        });
-        Live {
-            qpn,
-            close: close_tx,
-        }
-    };
+    // Watches a live connection: ends it on request, or when the peer closes it or stays
+    // silent past the heartbeat deadline (the same one the fast path's fail-safe uses).
+    let watch =
+        |ip: IpAddr, mut c: Connection, dead_after: Duration, ev: mpsc::UnboundedSender<Event>| {
+            let (close_tx, close_rx) = oneshot::channel::<()>();
+            let qpn = c.qp.qpn();
+            tokio::spawn(async move {
+                let gone = tokio::select! {
+                    g = c.watch(dead_after / 3, dead_after) => Some(g),
+                    _ = close_rx => None,
+                };
+                c.close();
+                let _ = ev.send(Event::Closed { ip, qpn, gone });
+            });
+            Live {
+                qpn,
+                close: close_tx,
+            }
+        };
 
     loop {
         tokio::select! {
@@ -573,6 +632,17 @@ async fn manage(
                 let now = monotonic_ns();
                 if let Ok(p) = maps.policy() {
                     promoter.set_mode(Mode::from_raw(p.mode).unwrap_or(Mode::Auto));
+                }
+                // The limit disarms itself when it fires: arm it again once refilled.
+                if !srq_armed && res.srq.posted() > srq_limit {
+                    srq_armed = res.srq.arm_limit(srq_limit).is_ok();
+                }
+                let now_max = cap(&iface);
+                if now_max != max_connections {
+                    tracing::info!("CM on {iface}: at most {now_max} connections (was {max_connections})");
+                    max_connections = now_max;
+                    promoter.set_max_connections(now_max);
+                    cm.set_limit(now_max);
                 }
                 for (key, e) in maps.peers().unwrap_or_default() {
                     if let Some(ip) = key.ip() {
@@ -630,7 +700,8 @@ async fn manage(
                         }
                     }
                 }
-                let snapshot = cm_status(&promoter, &live, &cm, &stats, &device, &tun, srq_depth, max_connections);
+                let mut snapshot = cm_status(&promoter, &live, &cm, &stats, &device, &tun, srq_depth, max_connections);
+                snapshot.srq_low_events = srq_low;
                 if let Ok(json) = serde_json::to_vec_pretty(&snapshot) {
                     let _ = std::fs::write(&opts.status_path, json);
                 }
@@ -644,18 +715,35 @@ async fn manage(
                     mark(&mut maps, ip, peer_mode::CM_UP)?;
                 }
                 EngineEvent::QpError { qpn, status } => {
-                    let Some(ip) = live.iter().find(|(_, l)| l.qpn == qpn).map(|(ip, _)| *ip) else {
-                        continue;
-                    };
-                    tracing::warn!("{ip}: QP {qpn} failed (completion status {status}): UD, retry later");
-                    mark(&mut maps, ip, peer_mode::UD)?;
-                    routes.remove(&ip);
-                    if let Some(l) = live.remove(&ip) {
-                        let _ = l.close.send(());
+                    let why = format!("completion status {status}");
+                    if let Some(ip) = broken(&mut live, qpn) {
+                        tracing::warn!("{ip}: QP {qpn} failed ({why}): UD, retry later");
+                        mark(&mut maps, ip, peer_mode::UD)?;
+                        routes.remove(&ip);
+                        promoter.failed(monotonic_ns(), &ip, Failure::QpError);
                     }
-                    promoter.failed(monotonic_ns(), &ip, Failure::QpError);
                 }
                 _ => {}
+            },
+            Some(e) = dev_rx.recv() => match e {
+                AsyncEvent::QpFatal(qpn) => {
+                    if let Some(ip) = broken(&mut live, qpn) {
+                        tracing::warn!("{ip}: QP {qpn} went fatal (device event): UD, retry later");
+                        mark(&mut maps, ip, peer_mode::UD)?;
+                        routes.remove(&ip);
+                        promoter.failed(monotonic_ns(), &ip, Failure::QpError);
+                    }
+                }
+                AsyncEvent::SrqLimitReached => {
+                    srq_low += 1;
+                    srq_armed = false;
+                    tracing::warn!(
+                        "CM on {iface}: fewer than {srq_limit} of {srq_depth} receive buffers posted \
+                         (the engine is not keeping up); senders will meet RNR NAKs"
+                    );
+                }
+                AsyncEvent::PortChange(port) => tracing::info!("{device} port {port} changed state"),
+                other => tracing::debug!("device event {other:?}"),
             },
             Some((addr, r)) = acc_rx.recv() => match r {
                 Ok(c) => {
@@ -673,25 +761,31 @@ async fn manage(
                         let ours = matches!(promoter.explain(&ip).map(|e| e.state), Some(State::Connecting { .. }));
                         let keep = if ours { promoter.connected(now, &ip); true } else { promoter.accepted(now, ip) };
                         if !keep || live.contains_key(&ip) {
+                            tracing::debug!("{ip}: not keeping its connection (one exists, policy, or the plan is full)");
                             c.close();
                             continue;
                         }
                         routes.add(ip, Route { qp: c.qp.clone(), mtu: c.mtu });
                         mark(&mut maps, ip, peer_mode::CM_UP)?;
                         tracing::info!("{ip}: connected (QP {}, MTU {})", c.qp.qpn(), c.mtu);
-                        live.insert(ip, watch(ip, c, ev_tx.clone()));
+                        let dead_after = maps
+                            .policy()
+                            .map_or(Duration::from_secs(3), |p| Duration::from_nanos(p.heartbeat_timeout_ns));
+                        live.insert(ip, watch(ip, c, dead_after, ev_tx.clone()));
                     }
                     Event::SetupFailed(ip, e) => {
                         tracing::info!("{ip}: connection setup failed, UD for now: {e}");
                         mark(&mut maps, ip, peer_mode::UD)?;
                         promoter.failed(now, &ip, match e {
+                            SetupError::Rejected(RejectReason::NoResources | RejectReason::Busy)
+                            | SetupError::Busy
+                            | SetupError::Full => Failure::NoResources,
                             SetupError::Rejected(_) | SetupError::Crossed | SetupError::InProgress | SetupError::WrongPeer { .. } => Failure::Rejected,
                             SetupError::Timeout(_) => Failure::Timeout,
-                            SetupError::Busy => Failure::NoResources,
                             _ => Failure::QpError,
                         });
                     }
-                    Event::Closed { ip, qpn, remote } => {
+                    Event::Closed { ip, qpn, gone } => {
                         stats.rx_by_qp.lock().expect("rx_by_qp").remove(&qpn);
                         last_rx.remove(&qpn);
                         match live.get(&ip) {
@@ -704,10 +798,18 @@ async fn manage(
                         }
                         mark(&mut maps, ip, peer_mode::UD)?;
                         routes.remove(&ip);
-                        if remote {
-                            tracing::info!("{ip}: the peer closed its connection (QP {qpn})");
+                        match gone {
+                            Some(Gone::Closed) => {
+                                tracing::info!("{ip}: the peer closed its connection (QP {qpn})");
+                                promoter.closed(now, &ip);
+                            }
+                            // Alive at the IP level but not taking what we send: UD, retry later.
+                            Some(Gone::Silent) => {
+                                tracing::warn!("{ip}: the peer's control loop went silent: connection (QP {qpn}) closed, UD");
+                                promoter.failed(now, &ip, Failure::Timeout);
+                            }
+                            None => promoter.closed(now, &ip),
                         }
-                        promoter.closed(now, &ip);
                     }
                 }
             }
@@ -722,6 +824,8 @@ async fn manage(
     }
     // Let the watchers close their QPs.
     tokio::time::sleep(Duration::from_millis(50)).await;
+    dev_stop.store(true, Ordering::Relaxed);
+    let _ = dev_thread.join();
     let _ = engine_stop_tx.send(());
     if let Ok((engine, r)) = engine_task.await {
         drop(engine);
@@ -736,6 +840,16 @@ async fn manage(
     }
     tracing::info!("CM on {iface} stopped; every peer is on UD");
     Ok(())
+}
+
+/// The live connection whose QP is `qpn` broke: it is removed and told to close. Returns its
+/// peer, whose map entry, route and policy state the caller sets.
+fn broken(live: &mut HashMap<IpAddr, Live>, qpn: u32) -> Option<IpAddr> {
+    let ip = live.iter().find(|(_, l)| l.qpn == qpn).map(|(ip, _)| *ip)?;
+    if let Some(l) = live.remove(&ip) {
+        let _ = l.close.send(());
+    }
+    Some(ip)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -774,6 +888,7 @@ fn cm_status(
         device: device.into(),
         tun: tun.into(),
         srq_depth,
+        srq_low_events: 0,
         max_connections,
         mode: promoter.mode().to_string(),
         connections: live.len(),

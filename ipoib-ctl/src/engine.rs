@@ -74,6 +74,8 @@ pub struct EngineStats {
     pub tx_oversize: AtomicU64,
     /// Packets dropped because the connection's queue was full or no send slot was free.
     pub tx_backpressure: AtomicU64,
+    /// Times a connection's queue overflowed and its peer was sent to UD until it drained.
+    pub tx_congested: AtomicU64,
     /// Packets that were not IP (dropped).
     pub tx_malformed: AtomicU64,
     pub send_errors: AtomicU64,
@@ -105,6 +107,7 @@ impl EngineStats {
             ("tx_multicast", g(&self.tx_multicast)),
             ("tx_oversize", g(&self.tx_oversize)),
             ("tx_backpressure", g(&self.tx_backpressure)),
+            ("tx_congested", g(&self.tx_congested)),
             ("tx_malformed", g(&self.tx_malformed)),
             ("send_errors", g(&self.send_errors)),
             ("rx_packets", g(&self.rx_packets)),
@@ -404,6 +407,7 @@ impl Core {
             Self::count(&self.stats.tx_backpressure);
             if !flow.congested {
                 flow.congested = true;
+                Self::count(&self.stats.tx_congested);
                 tell(&self.events, EngineEvent::Congested(dst));
             }
             return Ok(());

@@ -71,6 +71,7 @@ enum Cmd {
         kernel-cm=on|off               let the kernel's own connected mode carry UD traffic (default off)\n  \
         ctl-port=PORT                  TCP port of the CM handshake, always UD (default 4755)\n  \
         memory-budget=SIZE             receive memory for CM, 16MiB..1TiB (default: worked out)\n  \
+        max-connections=N              CM connections at most, below the memory plan (takes effect live)\n  \
         peer=ADDR:ud|cm|auto|block     per-peer override (repeatable; [v6]:pin or v6:pin)\n\n\
         Examples:\n  ipoib-ctl set-policy ib0 mode=datagram\n  \
         ipoib-ctl set-policy ib0 cm-threshold=4096 peer=10.0.0.7:ud peer=[fd00::9]:block")]

@@ -14,13 +14,15 @@ pub const HEARTBEAT_MIN: Duration = Duration::from_millis(100);
 pub const HEARTBEAT_MAX: Duration = Duration::from_secs(3600);
 pub const MEMORY_BUDGET_MIN: u64 = 16 << 20;
 pub const MEMORY_BUDGET_MAX: u64 = 1 << 40;
+/// More than any HCA's QPs (mlx5: 2^18 less reserved).
+pub const MAX_CONNECTIONS_MAX: u32 = 1 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     #[error("`{0}` is not KEY=VALUE")]
     NotKeyValue(String),
     #[error(
-        "unknown key `{0}` (keys: mode, cm-threshold, heartbeat-timeout, kernel-cm, ctl-port, memory-budget, peer)"
+        "unknown key `{0}` (keys: mode, cm-threshold, heartbeat-timeout, kernel-cm, ctl-port, memory-budget, max-connections, peer)"
     )]
     UnknownKey(String),
     #[error("{key}: `{value}` is not valid: {why}")]
@@ -128,6 +130,8 @@ pub struct PolicyChange {
     pub kernel_cm: Option<bool>,
     pub ctl_port: Option<u16>,
     pub memory_budget: Option<u64>,
+    /// CM connections at most, below what the memory plan allows.
+    pub max_connections: Option<u32>,
     pub peers: BTreeMap<IpAddr, Pin>,
 }
 
@@ -293,6 +297,20 @@ impl PolicyChange {
                         })?;
                     set_once(&mut c.memory_budget, key, b, value, &mut seen)?;
                 }
+                "max-connections" => {
+                    let n = value
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|n| (1..=MAX_CONNECTIONS_MAX).contains(n))
+                        .ok_or_else(|| {
+                            invalid(
+                                "max-connections",
+                                value,
+                                format!("a count from 1 to {MAX_CONNECTIONS_MAX}"),
+                            )
+                        })?;
+                    set_once(&mut c.max_connections, key, n, value, &mut seen)?;
+                }
                 "peer" => {
                     let (ip, pin) = parse_peer(value)?;
                     if let Some(old) = c.peers.get(&ip)
@@ -379,6 +397,7 @@ mod tests {
             "kernel-cm=on",
             "ctl-port=5000",
             "memory-budget=512MiB",
+            "max-connections=16",
             "peer=10.0.0.7:ud",
             "peer=[fd00::2]:cm",
             "peer=fd00::3:block",
@@ -390,6 +409,7 @@ mod tests {
         assert_eq!(c.kernel_cm, Some(true));
         assert_eq!(c.ctl_port, Some(5000));
         assert_eq!(c.memory_budget, Some(512 << 20));
+        assert_eq!(c.max_connections, Some(16));
         assert_eq!(c.peers[&"10.0.0.7".parse::<IpAddr>().unwrap()], Pin::Ud);
         assert_eq!(c.peers[&"fd00::2".parse::<IpAddr>().unwrap()], Pin::Cm);
         assert_eq!(c.peers[&"fd00::3".parse::<IpAddr>().unwrap()], Pin::Block);
@@ -415,6 +435,10 @@ mod tests {
             "memory-budget=1MiB",
             "memory-budget=2TiB",
             "memory-budget=lots",
+            "max-connections=0",
+            "max-connections=-1",
+            "max-connections=many",
+            "max-connections=1048577",
             "peer=10.0.0.7",
             "peer=10.0.0.7:fast",
             "peer=10.0.0.300:ud",

@@ -106,6 +106,8 @@ pub enum Demotion {
     Idle,
     Evicted,
     Forgotten,
+    /// The plan shrank below the connections held (policy `max-connections` lowered).
+    OverPlan,
 }
 
 /// What the engine is to do.
@@ -286,7 +288,8 @@ impl<K: Ord + Clone> Promoter<K> {
         self.mode = mode;
     }
 
-    /// A new plan size; connections above it are not torn down, only not replaced.
+    /// A new plan size. When it is below the connections held, the next tick closes the
+    /// least recently active ones (never a pinned one) down to it.
     pub fn set_max_connections(&mut self, n: usize) {
         self.cfg.max_connections = n;
     }
@@ -353,11 +356,22 @@ impl<K: Ord + Clone> Promoter<K> {
         }
     }
 
-    /// The peer set up a connection to us (the passive side). Returns false when it already
-    /// has one (the caller closes the new one). A peer we are connecting to whose REQ won the
-    /// crossing ends up here too.
+    /// The peer set up a connection to us (the passive side). Returns false when it is not
+    /// to be kept (the caller closes it): the peer already has one, policy keeps it on UD
+    /// (mode=datagram, a UD or block pin), or the plan is full. A peer we are connecting to
+    /// whose REQ won the crossing ends up here too, its own slot already counted.
     pub fn accepted(&mut self, now: u64, key: K) -> bool {
+        let mode = self.mode;
+        let others = self
+            .peers
+            .iter()
+            .filter(|(k, p)| **k != key && p.holds())
+            .count();
+        let max = self.cfg.max_connections;
         let p = self.peers.entry(key).or_insert_with(Peer::new);
+        if mode == Mode::Datagram || matches!(p.pin, Pin::Ud | Pin::Block) || others >= max {
+            return false;
+        }
         match p.state {
             State::Up { .. } | State::Draining { .. } => false,
             State::Connecting { .. } | State::Ud { .. } | State::Backoff { .. } => {
@@ -451,6 +465,36 @@ impl<K: Ord + Clone> Promoter<K> {
                     p.state = State::Ud { hold_until: 0 };
                 }
                 _ => {}
+            }
+        }
+
+        // The plan shrank: shed the least recently active connections down to it.
+        let up = |p: &Peer| matches!(p.state, State::Up { .. } | State::Connecting { .. });
+        let mut excess = self
+            .peers
+            .values()
+            .filter(|p| up(p))
+            .count()
+            .saturating_sub(cfg.max_connections);
+        if excess > 0 {
+            let mut victims: Vec<(Option<u64>, K)> = self
+                .peers
+                .iter()
+                .filter(|(_, p)| matches!(p.state, State::Up { .. }) && p.pin != Pin::Cm)
+                .map(|(k, p)| (p.last_active, k.clone()))
+                .collect();
+            victims.sort();
+            for (_, k) in victims {
+                if excess == 0 {
+                    break;
+                }
+                excess -= 1;
+                let p = self.peers.get_mut(&k).expect("victim");
+                p.state = State::Draining {
+                    since: now,
+                    why: Demotion::OverPlan,
+                };
+                actions.push(Action::Disconnect(k, Demotion::OverPlan));
             }
         }
 
@@ -917,6 +961,55 @@ mod tests {
             reaped |= s.second(&[(9, 0, 1, 0)]) == vec![Action::Disconnect(9, Demotion::Idle)];
         }
         assert!(reaped);
+    }
+
+    #[test]
+    fn connections_the_peers_set_up_stay_within_the_plan_and_the_policy() {
+        let mut s = Sim::new(cfg(2), Mode::Auto);
+        assert!(s.p.accepted(S, 1));
+        // Our own setup under way holds the second slot.
+        s.second(&[(2, 50 * MB, 65000, 0)]);
+        assert_eq!(
+            s.second(&[(2, 50 * MB, 65000, 0)]),
+            vec![Action::Connect(2)]
+        );
+        assert!(!s.p.accepted(s.now, 3), "the plan is full");
+        assert!(matches!(s.state(3), State::Ud { .. }));
+        // The peer we are connecting to won the crossing: its slot is already counted.
+        assert!(s.p.accepted(s.now, 2));
+        assert_eq!(s.p.counts().up, 2);
+        s.p.set_pin(4, Pin::Block);
+        s.p.set_max_connections(8);
+        assert!(!s.p.accepted(s.now, 4), "pinned away from CM");
+        s.p.set_mode(Mode::Datagram);
+        assert!(!s.p.accepted(s.now, 5), "mode=datagram");
+    }
+
+    #[test]
+    fn a_smaller_plan_sheds_the_least_recently_active_connections() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        for k in 1..=3 {
+            assert!(s.p.accepted(S, k));
+        }
+        s.p.set_pin(3, Pin::Cm);
+        // 2 is active, 1 and 3 are not; 3 is pinned.
+        s.second(&[(2, MB, 65000, MB)]);
+        s.p.set_max_connections(1);
+        let a = s.second(&[(2, MB, 65000, MB)]);
+        assert_eq!(
+            a,
+            vec![
+                Action::Disconnect(1, Demotion::OverPlan),
+                Action::Disconnect(2, Demotion::OverPlan)
+            ]
+        );
+        assert!(matches!(s.state(3), State::Up { .. }), "a pin is kept");
+        s.p.closed(s.now, &1);
+        s.p.closed(s.now, &2);
+        assert!(
+            s.second(&[(2, MB, 65000, MB)]).is_empty(),
+            "and no churn after"
+        );
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub struct PolicyView {
     pub any_blocked: bool,
     /// Bytes; `None`: worked out by the control plane.
     pub memory_budget: Option<u64>,
+    /// `None`: as many as the memory plan allows.
+    pub max_connections: Option<u32>,
 }
 
 impl PolicyView {
@@ -42,12 +44,13 @@ impl PolicyView {
             ctl_port: p.ctl_port,
             any_blocked: p.any_blocked != 0,
             memory_budget: state.and_then(|s| s.memory_budget),
+            max_connections: state.and_then(|s| s.max_connections),
         }
     }
 
     pub fn render(&self) -> String {
         format!(
-            "mode={} cm-threshold={} heartbeat-timeout={}ms kernel-cm={} ctl-port={} memory-budget={} (link {})",
+            "mode={} cm-threshold={} heartbeat-timeout={}ms kernel-cm={} ctl-port={} memory-budget={} max-connections={} (link {})",
             self.mode,
             self.cm_threshold,
             self.heartbeat_timeout_ms,
@@ -55,6 +58,8 @@ impl PolicyView {
             self.ctl_port,
             self.memory_budget
                 .map_or_else(|| "auto".to_string(), format_size),
+            self.max_connections
+                .map_or_else(|| "plan".to_string(), |n| n.to_string()),
             self.link,
         )
     }

@@ -2,12 +2,20 @@
 //! the RC connection: its end (the peer closed, crashed or was killed) is how each side learns
 //! that the other is gone, as a CM DREQ or a timewait would tell it on InfiniBand.
 //!
+//! A peer can also stop without closing anything: its control loop stopped (SIGSTOP) or
+//! wedged. Its HCA still acknowledges what lands in its posted receive buffers, so sends
+//! complete without error while nothing reads them: a blackhole until the buffers run out.
+//! [`Connection::watch`] therefore has each side send a keepalive byte on the stream from its
+//! control loop and take a peer that sent nothing for the heartbeat deadline as gone.
+//!
 //! * Active side ([`Cm::connect`]): makes its QP, sends REQ, takes the REP, brings its QP to
 //!   RTS, sends RTU. Transient failures (TCP errors, timeouts, REJ busy or no resources) are
 //!   retried with exponential backoff, a bounded number of times.
 //! * Passive side ([`Cm::accept`]): validates the REQ before it allocates anything, makes its
 //!   QP, brings it to RTS, sends REP, waits for RTU.
 //! * Setups in flight, both sides together, are capped; past the cap a REQ gets REJ busy.
+//! * Connections are capped too ([`Cm::set_limit`], the memory plan): a REQ that would go past
+//!   the cap gets REJ no-resources before anything is allocated for it.
 //! * One connection per peer (its IPoIB address, UD QPN and GID). Crossing REQs are resolved
 //!   by the tie-break of RFC 4755: the lower address accepts the other side's REQ, the higher
 //!   one refuses it (REJ crossing) and its own REQ completes.
@@ -18,7 +26,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -59,6 +67,8 @@ pub enum SetupError {
     InProgress,
     #[error("too many setups in flight")]
     Busy,
+    #[error("as many connections as the plan allows")]
+    Full,
 }
 
 impl SetupError {
@@ -195,11 +205,56 @@ impl Connection {
         }
     }
 
+    /// Watches the peer: sends a keepalive byte every `every` and resolves when the peer
+    /// closes the stream ([`Gone::Closed`]) or sends nothing for `dead_after`
+    /// ([`Gone::Silent`]). Both sides must run it (a side that does not sends nothing and is
+    /// taken as gone).
+    pub async fn watch(&mut self, every: Duration, dead_after: Duration) -> Gone {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut heard = tokio::time::Instant::now();
+        let mut b = [0u8; 64];
+        loop {
+            let got = tokio::select! {
+                r = self.ctl.read(&mut b) => Some(r),
+                _ = tick.tick() => None,
+            };
+            match got {
+                Some(Ok(0) | Err(_)) => return Gone::Closed,
+                Some(Ok(_)) => heard = tokio::time::Instant::now(),
+                None => {
+                    if heard.elapsed() > dead_after {
+                        return Gone::Silent;
+                    }
+                    // A full socket buffer (the peer reads nothing) is not an error here: the
+                    // silence above decides.
+                    match self.ctl.try_write(&[KEEPALIVE]) {
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(_) => return Gone::Closed,
+                    }
+                }
+            }
+        }
+    }
+
     /// Ends the connection here: the QP goes to the error state (outstanding work flushes), and
     /// the control stream closes, which the peer sees at once.
     pub fn close(self) {
         let _ = self.qp.to_error();
     }
+}
+
+/// The byte [`Connection::watch`] sends, after RTU, while the connection lives.
+const KEEPALIVE: u8 = b'K';
+
+/// How a watched peer went away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// It closed the stream (detach, exit, crash, kill -9: the kernel closes it).
+    Closed,
+    /// The stream is open but it sent nothing for the deadline (stopped or wedged).
+    Silent,
 }
 
 /// Counters of the handshake, for status and tests.
@@ -220,6 +275,8 @@ pub struct Cm {
     pub cfg: SetupConfig,
     permits: Arc<Semaphore>,
     table: Arc<Table>,
+    /// Connections and setups at most (see [`Cm::set_limit`]).
+    limit: AtomicUsize,
     pub stats: CmStats,
 }
 
@@ -248,8 +305,21 @@ impl Cm {
             permits: Arc::new(Semaphore::new(cfg.max_concurrent)),
             cfg,
             table: Arc::default(),
+            limit: AtomicUsize::new(usize::MAX),
             stats: CmStats::default(),
         }
+    }
+
+    /// Caps the connections (and setups under way) this side holds: past it an incoming REQ
+    /// is refused with REJ no-resources. Outgoing setups are the caller's to count (the
+    /// promotion policy does); this keeps peers that promote us from going past the plan.
+    pub fn set_limit(&self, n: usize) {
+        self.limit.store(n, Ordering::Relaxed);
+    }
+
+    /// Connections and setups under way, both directions.
+    pub fn held(&self) -> usize {
+        self.table.peers.lock().unwrap().len()
     }
 
     /// This side's IPoIB address (UD QPN and port GID).
@@ -277,19 +347,26 @@ impl Cm {
         }
     }
 
-    /// Claims `peer` for a setup in `stage`; None when an entry exists (see `accept` for the
-    /// one case where an incoming REQ takes over an outgoing setup).
-    fn claim(&self, peer: HwAddr, stage: Stage) -> Option<Slot> {
+    /// Claims `peer` for a setup in `stage`; Err(InProgress) when an entry exists (see
+    /// `accept` for the one case where an incoming REQ takes over an outgoing setup), and
+    /// Err(Full) for an incoming setup past the limit.
+    fn claim(&self, peer: HwAddr, stage: Stage) -> Result<Slot, SetupError> {
         let mut peers = self.table.peers.lock().unwrap();
         let token = self.table.next.fetch_add(1, Ordering::Relaxed);
         match peers.get(&peer) {
+            // Takes over our own setup's place: the count does not change.
             Some((Stage::Outgoing, _))
                 if stage == Stage::Incoming && accepts_crossing(self.hwaddr(), peer) => {}
-            Some(_) => return None,
+            Some(_) => return Err(SetupError::InProgress),
+            None if stage == Stage::Incoming
+                && peers.len() >= self.limit.load(Ordering::Relaxed) =>
+            {
+                return Err(SetupError::Full);
+            }
             None => {}
         }
         peers.insert(peer, (stage, token));
-        Some(Slot {
+        Ok(Slot {
             table: self.table.clone(),
             peer,
             token,
@@ -326,9 +403,7 @@ impl Cm {
     ) -> Result<Connection, SetupError> {
         let t = self.cfg.step_timeout;
         let _permit = self.permits.acquire().await.map_err(|_| SetupError::Busy)?;
-        let slot = self
-            .claim(peer, Stage::Outgoing)
-            .ok_or(SetupError::InProgress)?;
+        let slot = self.claim(peer, Stage::Outgoing)?;
         let mut s = match timeout(t, TcpStream::connect(addr)).await {
             Err(_) => return Err(SetupError::Timeout("TCP connect")),
             Ok(r) => r?,
@@ -396,9 +471,16 @@ impl Cm {
             }
             Err(e) => return Err(e),
         };
-        let Some(slot) = self.claim(req.hwaddr(), Stage::Incoming) else {
-            write_msg(&mut s, self.reject(RejectReason::Crossing), t).await?;
-            return Err(SetupError::InProgress);
+        let slot = match self.claim(req.hwaddr(), Stage::Incoming) {
+            Ok(slot) => slot,
+            Err(e) => {
+                let reason = match e {
+                    SetupError::Full => RejectReason::NoResources,
+                    _ => RejectReason::Crossing,
+                };
+                write_msg(&mut s, self.reject(reason), t).await?;
+                return Err(e);
+            }
         };
         let qp = match self.res.qp(self.cfg.max_send_wr) {
             Ok(qp) => qp,
