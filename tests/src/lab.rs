@@ -1,5 +1,6 @@
 //! The two-node lab: two network namespaces joined by a veth pair, each end with the
-//! datapath attached by a real `ipoib-ctl` process.
+//! datapath attached by a real `ipoib-ctl` process. [`Lab::star`] builds one of more nodes,
+//! each on a veth whose other end is in a bridge (the subnet's switch).
 //!
 //! With `cm_path`, a second veth pair joins the namespaces as a stand-in for the CM device:
 //! a peer entry marked CM_UP with its ifindex makes `ipoib_egress` redirect big packets into
@@ -33,6 +34,10 @@ pub struct Node {
 pub struct Lab {
     pub a: Node,
     pub b: Node,
+    /// Nodes past the first two ([`Lab::star`]).
+    pub more: Vec<Node>,
+    /// The bridge joining the nodes of a star, in the initial namespace.
+    bridge: Option<String>,
     children: Vec<Child>,
 }
 
@@ -145,21 +150,37 @@ impl Node {
 impl Lab {
     /// Builds the lab. `tag` (at most 6 characters) keeps names unique between labs.
     pub fn new(tag: &str, cm_path: bool) -> Result<Self> {
+        Self::build(tag, cm_path, 2)
+    }
+
+    /// A lab of `nodes` nodes (3 to 26: a, b, c, ...) joined by a bridge: 10.77.0.1, .2, ...
+    pub fn star(tag: &str, nodes: usize) -> Result<Self> {
+        assert!((3..=26).contains(&nodes), "a star has 3 to 26 nodes");
+        Self::build(tag, false, nodes)
+    }
+
+    fn build(tag: &str, cm_path: bool, nodes: usize) -> Result<Self> {
         assert!(tag.len() <= 6, "lab tag too long for interface names");
-        let node = |side: &str, n: u8| Node {
-            ns: format!("ipoib-lab-{tag}-{side}"),
-            iface: format!("{tag}{side}0"),
-            cm_iface: cm_path.then(|| format!("{tag}{side}cm")),
-            ip4: Ipv4Addr::new(10, 77, 0, n),
-            ip6: format!("fd77::{n}"),
+        let node = |i: usize| {
+            let side = char::from(b'a' + i as u8);
+            let n = i as u8 + 1;
+            Node {
+                ns: format!("ipoib-lab-{tag}-{side}"),
+                iface: format!("{tag}{side}0"),
+                cm_iface: cm_path.then(|| format!("{tag}{side}cm")),
+                ip4: Ipv4Addr::new(10, 77, 0, n),
+                ip6: format!("fd77::{n}"),
+            }
         };
         let lab = Lab {
-            a: node("a", 1),
-            b: node("b", 2),
+            a: node(0),
+            b: node(1),
+            more: (2..nodes).map(node).collect(),
+            bridge: (nodes > 2).then(|| format!("{tag}br")),
             children: Vec::new(),
         };
         lab.teardown_net();
-        for n in [&lab.a, &lab.b] {
+        for n in lab.nodes() {
             ip(&["netns", "add", &n.ns])?;
             must(n.cmd("ip").args(["link", "set", "lo", "up"]))?;
             for (k, v) in [
@@ -169,17 +190,29 @@ impl Lab {
                 let _ = run(n.cmd("sysctl").args(["-qw", &format!("{k}={v}")]));
             }
         }
-        ip(&[
-            "link",
-            "add",
-            &lab.a.iface,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &lab.b.iface,
-        ])?;
-        for n in [&lab.a, &lab.b] {
+        if let Some(br) = &lab.bridge {
+            ip(&["link", "add", br, "type", "bridge"])?;
+            ip(&["link", "set", br, "up"])?;
+            for n in lab.nodes() {
+                let port = host_port(n);
+                ip(&[
+                    "link", "add", &n.iface, "type", "veth", "peer", "name", &port,
+                ])?;
+                ip(&["link", "set", &port, "master", br, "up"])?;
+            }
+        } else {
+            ip(&[
+                "link",
+                "add",
+                &lab.a.iface,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &lab.b.iface,
+            ])?;
+        }
+        for n in lab.nodes() {
             ip(&["link", "set", &n.iface, "netns", &n.ns])?;
             must(
                 n.cmd("ip")
@@ -214,8 +247,19 @@ impl Lab {
         Ok(lab)
     }
 
+    /// Every node: a, b, then the rest of a star.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> {
+        [&self.a, &self.b].into_iter().chain(&self.more)
+    }
+
     /// Starts `ipoib-ctl attach` on a node, waiting until its heartbeat is fresh.
     pub fn attach(&mut self, which: Which, extra: &[&str]) -> Result<u32> {
+        let n = self.node(which).clone();
+        self.attach_node(&n, extra)
+    }
+
+    /// Starts `ipoib-ctl attach` on any node of the lab, as [`Lab::attach`].
+    pub fn attach_node(&mut self, n: &Node, extra: &[&str]) -> Result<u32> {
         let ctl = ctl_path();
         if !ctl.exists() {
             bail!(
@@ -223,7 +267,6 @@ impl Lab {
                 ctl.display()
             );
         }
-        let n = self.node(which).clone();
         let log = std::env::temp_dir().join(format!("{}.ctl.log", n.ns));
         let log_file = std::fs::File::create(&log)?;
         let child = n
@@ -279,7 +322,7 @@ impl Lab {
 
     /// Stops every control loop and removes namespaces, links and pins. Idempotent.
     pub fn teardown(&mut self) {
-        for n in [self.a.clone(), self.b.clone()] {
+        for n in self.nodes() {
             let _ = n.ctl(&["detach", &n.iface]);
         }
         // detach told each loop to stop: give them a moment to exit cleanly.
@@ -296,13 +339,24 @@ impl Lab {
     }
 
     fn teardown_net(&self) {
-        for n in [&self.a, &self.b] {
+        for n in self.nodes() {
             let _ = run(Command::new("ip").args(["netns", "del", &n.ns]));
+            if self.bridge.is_some() {
+                let _ = run(Command::new("ip").args(["link", "del", &host_port(n)]));
+            }
             // Pins of an interface that died with its namespace.
             let _ = std::fs::remove_dir_all(format!("/sys/fs/bpf/ipoib/{}", n.iface));
             let _ = std::fs::remove_file(format!("/run/ipoib-ctl/{}.json", n.iface));
         }
+        if let Some(br) = &self.bridge {
+            let _ = run(Command::new("ip").args(["link", "del", br]));
+        }
     }
+}
+
+/// The bridge's end of a star node's veth.
+fn host_port(n: &Node) -> String {
+    format!("{}h", n.iface.trim_end_matches('0'))
 }
 
 fn lab_mac(n: &Node) -> Result<String> {

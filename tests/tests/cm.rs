@@ -452,6 +452,51 @@ fn setups_past_the_cap_are_refused_busy() {
     });
 }
 
+/// A node at its connection limit (the memory plan) refuses another peer's REQ with REJ
+/// no-resources before allocating anything for it; the refused side sees a transient refusal;
+/// once a connection goes, the next REQ is accepted.
+#[test]
+fn requests_past_the_connection_limit_are_refused_no_resources() {
+    let Some(dev) = device("requests_past_the_connection_limit_are_refused_no_resources") else {
+        return;
+    };
+    let baseline = rdma_resources(&dev);
+    let once = SetupConfig {
+        retries: 0,
+        ..SetupConfig::default()
+    };
+    let (a, cma, _b, cmb) = two_nodes(&dev, once.clone(), SetupConfig::default());
+    // A second initiator on A's resources, with its own address.
+    let cmc = Arc::new(Cm::new(a.res.clone(), 0x30, once));
+    cmb.set_limit(1);
+    rt().block_on(async {
+        let (addr_b, mut in_b) = listen(&cmb).await;
+        let first = cma
+            .connect(addr_b, cmb.hwaddr())
+            .await
+            .expect("the first fits");
+        let accepted = in_b.recv().await.unwrap().1.expect("B accepted the first");
+        assert_eq!(cmb.held(), 1);
+        let qps = rdma_resources(&dev).get("qp").copied();
+        match cmc.connect(addr_b, cmb.hwaddr()).await {
+            Err(e @ SetupError::Rejected(RejectReason::NoResources)) => assert!(e.transient()),
+            other => panic!("expected REJ no-resources, got {:?}", other.err()),
+        }
+        assert!(matches!(
+            in_b.recv().await.unwrap().1,
+            Err(SetupError::Full)
+        ));
+        // B made nothing for it (C's own QP is gone with the failed attempt).
+        assert_eq!(rdma_resources(&dev).get("qp").copied(), qps);
+        first.close();
+        drop(accepted);
+        assert_eq!(cmb.held(), 0);
+        let again = cmc.connect(addr_b, cmb.hwaddr()).await.expect("room again");
+        again.close();
+    });
+    settle(&dev, &baseline, &["qp"]);
+}
+
 /// The SRQ limit event: receives consumed and not posted again drop the SRQ below its armed
 /// limit (a quarter of the depth) and the HCA says so; posting them again refills it.
 #[test]

@@ -1,11 +1,15 @@
-//! The whole hybrid on soft-RoCE in the VM: two lab nodes, each with `ipoib-ctl attach
+//! The whole hybrid on soft-RoCE in the VM: lab nodes, each with `ipoib-ctl attach
 //! --cm-device rxe0` (fast path + connected mode). A bulk TCP flow starts on UD, the policy
 //! promotes the peer, the fast path redirects the flow's big packets to the TUN device and
-//! the engine carries them over RC; the stream arrives intact across the switch; pings stay on
-//! UD; and detaching releases every QP and the TUN devices.
+//! the engine carries them over RC; the stream arrives intact across the switch; pings and
+//! small UDP stay on UD; and detaching releases every QP and the TUN devices. Then the faults
+//! (the peer killed, the RC path failing, the handshake port blocked, the receiver stalled),
+//! each survived on UD and followed by a return to CM, and the memory test (a plan of K
+//! connections among 3K peers that want CM, on a four-node lab).
 //!
-//! The lab's link is a veth pair (Ethernet); the one rxe device serves both nodes. On the host
-//! (no RDMA) the test skips loudly; `cargo xtask vm-test` runs it with IPOIB_REQUIRE_RDMA=1.
+//! The lab's link is a veth pair or a bridge (Ethernet); the one rxe device serves every
+//! node. On the host (no RDMA) the tests skip loudly; `cargo xtask vm-test` runs them with
+//! IPOIB_REQUIRE_RDMA=1.
 
 use std::{
     collections::HashMap,
@@ -13,11 +17,12 @@ use std::{
     net::{TcpListener, TcpStream},
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
 
+use ipoib_ctl::connmgr::read_status;
 use ipoib_tests::{
     cmlab::{COUNTED, device, in_netns, rdma_resources, settle},
     lab::{Lab, Node, Which, json_u64 as u, lab_unavailable},
@@ -32,6 +37,8 @@ fn period() -> Vec<u8> {
 /// A TCP stream from node `a` to node `b`, every byte checked at `b`, until `finish`.
 struct Stream {
     stop: Arc<AtomicBool>,
+    /// Bytes checked at the receiver so far.
+    received: Arc<AtomicU64>,
     sender: std::thread::JoinHandle<u64>,
     receiver: std::thread::JoinHandle<u64>,
 }
@@ -43,6 +50,8 @@ impl Stream {
             let addr = addr.clone();
             move || TcpListener::bind(addr).expect("listen at B")
         });
+        let received = Arc::new(AtomicU64::new(0));
+        let progress = received.clone();
         let receiver = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().expect("accept");
             s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
@@ -65,6 +74,7 @@ impl Stream {
                     got = &got[k..];
                     off += k as u64;
                 }
+                progress.store(off, Ordering::Relaxed);
             }
         });
         let stop = Arc::new(AtomicBool::new(false));
@@ -86,9 +96,15 @@ impl Stream {
         });
         Self {
             stop,
+            received,
             sender,
             receiver,
         }
+    }
+
+    /// Bytes that have arrived, checked, so far.
+    fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
     }
 
     /// Stops sending; returns the bytes sent, once the receiver got them all, intact.
@@ -101,21 +117,99 @@ impl Stream {
     }
 }
 
+/// `count` small UDP datagrams (100 B, numbered, 2 ms apart) from `a` to `b`, counted at `b`.
+struct SmallUdp {
+    sender: std::thread::JoinHandle<u64>,
+    receiver: std::thread::JoinHandle<u64>,
+}
+
+impl SmallUdp {
+    fn start(a: &Node, b: &Node, port: u16, count: u32) -> Self {
+        let addr = format!("{}:{port}", b.ip4);
+        let sock = in_netns(&b.ns, {
+            let addr = addr.clone();
+            move || std::net::UdpSocket::bind(addr).expect("UDP at B")
+        });
+        sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let receiver = std::thread::spawn(move || {
+            let mut seen = vec![false; count as usize];
+            let mut buf = [0u8; 2048];
+            while let Ok(n) = sock.recv(&mut buf) {
+                assert_eq!(n, 100, "a datagram changed size");
+                let i = u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize;
+                seen[i] = true;
+                if seen.iter().all(|s| *s) {
+                    break;
+                }
+            }
+            seen.iter().filter(|s| **s).count() as u64
+        });
+        let sender = std::thread::spawn({
+            let ns = a.ns.clone();
+            move || {
+                in_netns(&ns, move || {
+                    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+                    for i in 0..count {
+                        let mut d = [0u8; 100];
+                        d[..4].copy_from_slice(&i.to_be_bytes());
+                        s.send_to(&d, &addr).expect("send a datagram");
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    u64::from(count)
+                })
+            }
+        });
+        Self { sender, receiver }
+    }
+
+    /// (sent, received).
+    fn finish(self) -> (u64, u64) {
+        let sent = self.sender.join().expect("UDP sender");
+        (sent, self.receiver.join().expect("UDP receiver"))
+    }
+}
+
 /// The rxe device, the device's resource counts before the test, and a fresh lab named
 /// `tag`; None after a loud skip where the kernel has no RDMA.
-fn rdma_lab(test: &str, tag: &str) -> Option<(String, HashMap<String, u64>, Lab)> {
+fn rdma_lab(test: &str, tag: &str, nodes: usize) -> Option<(String, HashMap<String, u64>, Lab)> {
     let dev = device(test)?;
     if let Some(why) = lab_unavailable() {
         panic!("{test}: RDMA is here but the lab cannot run: {why}");
     }
     let baseline = rdma_resources(&dev);
-    Some((dev, baseline, Lab::new(tag, false).unwrap()))
+    let lab = if nodes == 2 {
+        Lab::new(tag, false)
+    } else {
+        Lab::star(tag, nodes)
+    };
+    Some((dev, baseline, lab.unwrap()))
+}
+
+/// A policy file for `attach --policy`, removed when dropped.
+struct PolicyFile(std::path::PathBuf);
+
+impl PolicyFile {
+    fn new(name: &str, text: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("ipoib-test-{name}.policy"));
+        std::fs::write(&p, text).unwrap();
+        Self(p)
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().expect("utf-8 path")
+    }
+}
+
+impl Drop for PolicyFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 #[test]
-fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
-    let test = "bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyb") else {
+fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
+    let test = "bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyb", 2) else {
         return;
     };
     // Loose reverse-path filtering, as systemd sets it on most distributions (the lab sets 0,
@@ -162,9 +256,11 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
     });
     let promoted_after = t0.elapsed();
     std::thread::sleep(Duration::from_secs(4));
-    // Pings while the stream rides CM: small, so UD (the fast path's `tx_ud_small`).
+    // Mixed traffic while the stream rides CM: pings and small UDP datagrams are small, so UD
+    // (the fast path's `tx_ud_small`), and none is lost.
     let small = |s: &serde_json::Value| u(&s["reasons"]["tx_ud_small"], "packets");
     let before = a.status().unwrap();
+    let udp = SmallUdp::start(&a, &b, 5401, 400);
     let ping = a
         .cmd("ping")
         .args(["-c", "5", "-i", "0.2", "-W", "2", &b_ip])
@@ -175,10 +271,20 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
         "{}",
         String::from_utf8_lossy(&ping.stdout)
     );
+    let (sent_udp, got_udp) = udp.finish();
+    assert_eq!(
+        got_udp, sent_udp,
+        "small UDP datagrams were lost beside the bulk flow"
+    );
     let after = a.status().unwrap();
+    eprintln!(
+        "beside the stream on CM: 5 pings and {sent_udp} datagrams of 100 B, {got_udp} arrived; \
+         {} small packets counted UD",
+        small(&after) - small(&before)
+    );
     assert!(
-        small(&after) >= small(&before) + 5,
-        "5 pings, {} small packets counted UD",
+        small(&after) >= small(&before) + 5 + sent_udp,
+        "5 pings and {sent_udp} datagrams, {} small packets counted UD",
         small(&after) - small(&before)
     );
     assert_eq!(a.peer(&b_ip).unwrap().unwrap()["mode"], "cm_up");
@@ -281,7 +387,7 @@ fn bulk_tcp_is_promoted_to_cm_and_pings_stay_on_ud() {
 #[test]
 fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
     let test = "a_killed_peer_falls_back_to_ud_and_returns_to_cm";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyk") else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyk", 2) else {
         return;
     };
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
@@ -357,7 +463,7 @@ impl Drop for LinkUp {
 #[test]
 fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
     let test = "a_failed_rc_path_falls_back_to_ud_and_returns_to_cm";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyq") else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyq", 2) else {
         return;
     };
     let netdev = std::fs::read_dir(format!("/sys/class/infiniband/{dev}/device/net"))
@@ -432,7 +538,7 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
 #[test]
 fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
     let test = "a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyp") else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyp", 2) else {
         return;
     };
     let (a, b) = (lab.a.clone(), lab.b.clone());
@@ -496,6 +602,213 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
     eprintln!("port open: on CM after {:.1?}", t.elapsed());
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// Memory: A's plan holds K connections (policy max-connections=K, the smallest SRQ) and 3K
+/// peers want CM (mode=connected everywhere, each peer streaming to A). At no tick does A hold
+/// more than K live connections (it refuses the REQs past its plan with REJ no-resources,
+/// before allocating anything, and promotes no more than K itself), the device never holds
+/// more RC QPs than K connections and the refused setups under way account for, the plan is
+/// used, and the peers past it keep streaming over UD, intact.
+#[test]
+fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
+    const K: u64 = 1;
+    const PEERS: usize = 3 * K as usize;
+    let test = "a_plan_of_k_connections_holds_among_3k_peers_that_want_cm";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hym", PEERS + 1) else {
+        return;
+    };
+    let for_a = PolicyFile::new(
+        "hym-a",
+        &format!("mode=connected\nmemory-budget=16MiB\nmax-connections={K}\n"),
+    );
+    let for_peers = PolicyFile::new("hym-p", "mode=connected\nmemory-budget=16MiB\n");
+    let a = lab.a.clone();
+    let peers: Vec<Node> = lab.nodes().skip(1).cloned().collect();
+    lab.attach(Which::A, &["--cm-device", &dev, "--policy", for_a.arg()])
+        .unwrap();
+    for p in &peers {
+        lab.attach_node(p, &["--cm-device", &dev, "--policy", for_peers.arg()])
+            .unwrap();
+    }
+    let a_cm = a.status().unwrap()["cm"].clone();
+    assert_eq!(a_cm["max_connections"], K, "{a_cm:#}");
+    let streams: Vec<Stream> = peers
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Stream::start(p, &a, 5310 + i as u16))
+        .collect();
+
+    // 30 s of everyone wanting CM. A's live connections, and the RC QPs on the device: both
+    // ends of each connection, and a refused peer's setup under way (an initiator makes its
+    // QP before it sends the REQ; it is destroyed on the REJ).
+    let qp_base = baseline.get("qp").copied().unwrap_or(0);
+    let (mut peak, mut qp_peak, mut samples) = (0u64, 0u64, 0);
+    let mut mid = Vec::new();
+    let t = Instant::now();
+    // Each control loop writes its connected-mode status once a tick; read the files (a
+    // status command per node would take seconds under emulation and miss ticks).
+    let held = |n: &Node| read_status(&n.iface).map(|s| s.connections as u64);
+    // The last value read (a file caught mid-write does not parse).
+    let mut at_a = 0;
+    while t.elapsed() < Duration::from_secs(30) {
+        at_a = held(&a).unwrap_or(at_a);
+        let qps = rdma_resources(&dev).get("qp").copied().unwrap_or(0) - qp_base;
+        assert!(
+            at_a <= K,
+            "past the plan after {:.1?}: A holds {at_a}: {:#}",
+            t.elapsed(),
+            a.status().unwrap()["cm"]
+        );
+        assert!(
+            qps <= 2 * K + PEERS as u64,
+            "{qps} QPs for a plan of {K} connection(s) and {PEERS} peers"
+        );
+        peak = peak.max(at_a);
+        qp_peak = qp_peak.max(qps);
+        samples += 1;
+        if mid.is_empty() && t.elapsed() > Duration::from_secs(20) {
+            mid = streams.iter().map(Stream::received).collect();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cm = a.status().unwrap()["cm"].clone();
+    eprintln!(
+        "{samples} samples over 30 s: A held at most {peak} connection(s) (plan {K}), \
+         {qp_peak} QPs above the baseline at most; A refused {} setup(s); A's peers: {:#}",
+        u(&cm, "failed"),
+        cm["peers"]
+    );
+    assert_eq!(peak, K, "the plan's connections were never used");
+    assert!(u(&cm, "failed") >= 1, "no REQ was refused: {cm:#}");
+    // Every stream kept moving in the last 10 s, CM or UD.
+    let last: Vec<u64> = streams.iter().map(Stream::received).collect();
+    for (i, (m, l)) in mid.iter().zip(&last).enumerate() {
+        assert!(
+            *l > m + (1 << 20),
+            "peer {i}'s stream stalled: {m} -> {l} bytes in the last 10 s"
+        );
+    }
+    // Bytes by path at A's peers: some CM (the plan used), and the peers past it on UD.
+    let mut on_ud = 0;
+    for p in &peers {
+        let view = p
+            .peer(&a.ip4.to_string())
+            .unwrap()
+            .expect("A in the peer's map");
+        if view["mode"] != "cm_up" {
+            on_ud += 1;
+        }
+    }
+    assert!(
+        on_ud >= PEERS - K as usize,
+        "{on_ud} of {PEERS} peers on UD with a plan of {K}"
+    );
+    for s in streams {
+        let sent = s.finish();
+        assert!(sent > 1 << 20, "{sent} bytes");
+    }
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// Resumes a stopped process however the test ends.
+struct Cont(u32);
+impl Drop for Cont {
+    fn drop(&mut self) {
+        // SAFETY: plain kill(2).
+        unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
+    }
+}
+
+/// A stalled receiver: B has the smallest plan (memory-budget=16MiB: an SRQ of 256 buffers)
+/// and its control loop is stopped (SIGSTOP), so its engine takes nothing off the SRQ and
+/// posts nothing again, while its HCA keeps acknowledging what lands in the buffers still
+/// posted: A's sends complete without error into a blackhole (seen here before the keepalive:
+/// 20 s on CM, no send error, the stream stalled). A takes B's silence on the connection's
+/// stream as the peer gone, falls back to UD within the heartbeat deadline, and the stream
+/// goes on over UD, intact, while B is stopped. B resumed, A connects again after its backoff
+/// and the flow returns to CM.
+#[test]
+fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm() {
+    let test = "a_stalled_receiver_falls_back_to_ud_and_returns_to_cm";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hys", 2) else {
+        return;
+    };
+    let tiny = PolicyFile::new("hys-b", "memory-budget=16MiB\n");
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    let pid_b = lab
+        .attach(Which::B, &["--cm-device", &dev, "--policy", tiny.arg()])
+        .unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    assert_eq!(b.status().unwrap()["cm"]["srq_depth"], 256);
+    let stream = Stream::start(&a, &b, 5305);
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
+        .expect("promoted");
+    std::thread::sleep(Duration::from_secs(2));
+
+    let resume = Cont(pid_b);
+    // SAFETY: plain kill(2).
+    assert_eq!(unsafe { libc::kill(pid_b as i32, libc::SIGSTOP) }, 0);
+    let t = Instant::now();
+    let fell = a
+        .wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
+        .unwrap_or_else(|| {
+            panic!(
+                "A kept B on CM with B stalled: {:#}",
+                a.status().unwrap()["cm"]
+            )
+        });
+    let took = t.elapsed();
+    let cm = a.status().unwrap()["cm"].clone();
+    let why = cm["peers"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["addr"] == b_ip.as_str()).cloned())
+        .expect("B in A's CM status");
+    eprintln!(
+        "B stopped: A fell back to UD after {took:.1?} ({}; send errors {}, queue overflows {})",
+        why["why"],
+        u(&cm["engine"], "send_errors"),
+        u(&cm["engine"], "tx_congested")
+    );
+    assert!(
+        u(&why, "failures") >= 1,
+        "the fallback was not taken as B's failure: {why}"
+    );
+    let before = stream.received();
+    std::thread::sleep(Duration::from_secs(4));
+    let on_ud = a.peer(&b_ip).unwrap().unwrap();
+    assert!(
+        u(&on_ud, "tx_ud_bytes") > u(&fell, "tx_ud_bytes") + (1 << 20),
+        "the flow did not go on over UD: {on_ud}"
+    );
+    assert!(
+        stream.received() > before + (1 << 20),
+        "nothing arrived while B was stopped"
+    );
+
+    drop(resume);
+    let t = Instant::now();
+    let back = a
+        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(90))
+        .unwrap_or_else(|| {
+            panic!(
+                "not back on CM within 90 s of B's return: {:#}",
+                a.status().unwrap()["cm"]
+            )
+        });
+    eprintln!("B resumed: back on CM after {:.1?}", t.elapsed());
+    std::thread::sleep(Duration::from_secs(4));
+    let later = a.peer(&b_ip).unwrap().unwrap();
+    assert!(
+        u(&later, "tx_cm_bytes") > u(&back, "tx_cm_bytes") + (1 << 20),
+        "back on CM, yet the flow does not go CM: {later}"
+    );
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }

@@ -69,6 +69,12 @@ enum Cmd {
     VmTest {
         /// Only these test targets (fastpath, lab, verbs, cm, engine, hybrid); all by default.
         targets: Vec<String>,
+        /// Only the tests whose names contain this (libtest's filter), in every target run.
+        #[arg(long, value_name = "SUBSTRING")]
+        filter: Option<String>,
+        /// Show what the tests print (their measurements) even when they pass.
+        #[arg(long)]
+        nocapture: bool,
     },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
     Bench {
@@ -133,10 +139,14 @@ fn main() -> Result<()> {
                 println!("==> skipping the 6.1 VM run (--no-vm)");
                 Ok(())
             } else {
-                vm::test(&root, &[])
+                vm::test(&root, &[], None, false)
             }
         }
-        Cmd::VmTest { targets } => vm::test(&root, &targets),
+        Cmd::VmTest {
+            targets,
+            filter,
+            nocapture,
+        } => vm::test(&root, &targets, filter.as_deref(), nocapture),
         Cmd::Bench {
             what: Bench::Datapath { repeat, rounds },
         } => {

@@ -69,7 +69,14 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
 /// Test targets run in the VM.
 pub const TARGETS: &[&str] = &["fastpath", "lab", "verbs", "cm", "engine", "hybrid"];
 
-pub fn test(root: &Path, only: &[String]) -> Result<()> {
+pub fn test(root: &Path, only: &[String], filter: Option<&str>, nocapture: bool) -> Result<()> {
+    if let Some(f) = filter
+        && !f
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    {
+        bail!("--filter takes a test name or part of one (letters, digits, _ and ::): `{f}`");
+    }
     if !is_root() {
         bail!("the VM tests need root (the lab inside builds network namespaces)");
     }
@@ -96,8 +103,10 @@ pub fn test(root: &Path, only: &[String]) -> Result<()> {
     let mut script = String::from("set -u; rc=0; uname -r; modprobe tun || true; ");
     for (name, exe) in &bins {
         script.push_str(&format!(
-            "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 {} --test-threads=1 || rc=1; ",
-            exe.display()
+            "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 {} --test-threads=1 {} {} || rc=1; ",
+            exe.display(),
+            if nocapture { "--nocapture" } else { "" },
+            filter.unwrap_or_default()
         ));
     }
     script.push_str("exit $rc");
