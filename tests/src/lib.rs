@@ -3,6 +3,7 @@
 
 pub mod cmlab;
 pub mod lab;
+pub mod perftest;
 
 use std::net::IpAddr;
 

@@ -4,8 +4,13 @@
 //! byte (all CPUs, from /proc/stat, over the measurement).
 //!
 //! The path is switched with the policy, as an operator would: `mode=connected` promotes the
-//! peer (the measurement starts once it is `cm_up`), `mode=datagram` drains it. The result is
-//! one JSON line after `BENCH-JSON `.
+//! peer (the measurement starts once it is `cm_up`), `mode=datagram` drains it.
+//!
+//! Beside them, in each round: the engine's message rate during the CM run (RC messages
+//! posted per second, from A's engine counters) against `ib_send_bw` between the same two
+//! namespaces on the same device, with the engine's mean message size, 1 QP and the engine's
+//! window: how much of the raw RC message rate the engine carries while the kernel's TCP runs
+//! on both ends. The result is one JSON line after `BENCH-JSON `.
 
 use std::{
     process::{Command, Stdio},
@@ -14,9 +19,11 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
+use ipoib_ctl::{engine::EngineConfig, verbs::Device};
 use ipoib_tests::{
     cmlab::rxe_device,
-    lab::{Lab, Node, Which},
+    lab::{Lab, Node, Which, json_u64},
+    perftest::SendBw,
 };
 use serde_json::json;
 
@@ -69,11 +76,22 @@ struct Run {
     cpu_s_per_gb: f64,
     /// Share of the bytes the fast path counted on CM.
     cm_share: f64,
+    /// RC messages A's engine posted, per second, and their mean size.
+    engine_msg_per_s: f64,
+    engine_msgs: u64,
+    engine_mean_size: f64,
 }
 
 fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
     let before = a.peer(&b_ip)?.context("A knows B")?;
+    let engine = |n: &Node| -> Result<(u64, u64)> {
+        let s = n.status()?;
+        let e = &s["cm"]["engine"];
+        Ok((json_u64(e, "tx_packets"), json_u64(e, "tx_bytes")))
+    };
+    let e0 = engine(a)?;
+    let t0 = Instant::now();
     let busy0 = cpu()?;
     let out = a
         .cmd("iperf3")
@@ -81,6 +99,8 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         .output()
         .context("iperf3 client")?;
     let busy1 = cpu()?;
+    let secs_run = t0.elapsed().as_secs_f64();
+    let e1 = engine(a)?;
     ensure!(
         out.status.success(),
         "iperf3: {}",
@@ -101,6 +121,9 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         mbit_s: bps / 1e6,
         cpu_s_per_gb: cpu_s / (bytes / 1e9),
         cm_share: cm / (cm + ud).max(1.0),
+        engine_msg_per_s: (e1.0 - e0.0) as f64 / secs_run,
+        engine_msgs: e1.0 - e0.0,
+        engine_mean_size: (e1.1 - e0.1) as f64 / (e1.0 - e0.0).max(1) as f64,
     })
 }
 
@@ -126,8 +149,11 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         .spawn()
         .context("iperf3 server")?;
     std::thread::sleep(Duration::from_millis(300));
+    let gid_index = Device::open(dev)?.first_address(1)?.gid_index;
+    let window = EngineConfig::default().max_send_wr;
     let mut cm_runs = Vec::new();
     let mut ud_runs = Vec::new();
+    let mut perf_runs: Vec<(f64, f64, f64, f64)> = Vec::new();
     let mut err = None;
     for round in 0..args.rounds {
         let r = (|| -> Result<()> {
@@ -143,18 +169,40 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
             }
             wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(1))?;
             let cm = iperf(&a, &b, args.seconds)?;
+            // Raw RC between the same namespaces, messages of the engine's mean size, about
+            // as many as the engine moved.
+            let perftest = SendBw {
+                dev,
+                gid_index,
+                size: (cm.engine_mean_size.round() as u32).clamp(1, 65520),
+                window,
+                qps: 1,
+                server_ns: &b.ns,
+                client_ns: Some(&a.ns),
+                server: b.ip4.into(),
+            };
+            let perf = perftest.msg_per_s(cm.engine_msgs)?;
             // UD: mode=datagram drains the connection; the fast path sends everything UD.
             set_mode(&a, "datagram")?;
             wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))?;
             let ud = iperf(&a, &b, args.seconds)?;
             eprintln!(
-                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM); UD {:.0} Mbit/s ({:.1} CPU s/GB)",
+                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B); \
+                 UD {:.0} Mbit/s ({:.1} CPU s/GB); ib_send_bw {perf:.0} msg/s",
                 cm.mbit_s,
                 cm.cpu_s_per_gb,
                 cm.cm_share * 100.0,
+                cm.engine_msg_per_s,
+                cm.engine_mean_size,
                 ud.mbit_s,
                 ud.cpu_s_per_gb
             );
+            perf_runs.push((
+                cm.engine_msg_per_s / perf,
+                cm.engine_msg_per_s,
+                cm.engine_mean_size,
+                perf,
+            ));
             cm_runs.push(cm);
             ud_runs.push(ud);
             Ok(())
@@ -174,6 +222,9 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         v[v.len() / 2]
     };
     let (cm, ud) = (med(&mut cm_runs), med(&mut ud_runs));
+    perf_runs.sort_by(|x, y| x.0.total_cmp(&y.0));
+    // The round with the median ratio, its own figures beside it.
+    let (engine_over_perftest, engine_rate, engine_size, perf) = perf_runs[perf_runs.len() / 2];
     let r1 = |x: f64| (x * 10.0).round() / 10.0;
     let out = json!({
         "bench": "engine",
@@ -184,6 +235,10 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0},
         "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb)},
         "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
+        "engine_msg_per_s": engine_rate.round(),
+        "engine_mean_size": engine_size.round(),
+        "ib_send_bw_msg_per_s": perf.round(),
+        "engine_over_ib_send_bw": (engine_over_perftest * 1000.0).round() / 1000.0,
     });
     println!(
         "\n{:>4} {:>10} {:>12} {:>10}",
@@ -202,6 +257,10 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         ud.mbit_s,
         ud.cpu_s_per_gb,
         ud.cm_share * 100.0
+    );
+    println!(
+        "engine: {:.0} msg/s of {:.0} B (CM run) vs ib_send_bw {perf:.0} msg/s: {engine_over_perftest:.2} (median round)",
+        engine_rate, engine_size
     );
     println!("BENCH-JSON {out}");
     Ok(())

@@ -17,7 +17,10 @@ use std::{
 use anyhow::{Context as _, Result, bail, ensure};
 use clap::Parser;
 use ipoib_ctl::cm::{Cm, Connection, SetupConfig};
-use ipoib_tests::cmlab::{Netns, Node, Peer, rxe_device};
+use ipoib_tests::{
+    cmlab::{Netns, Node, Peer, rxe_device},
+    perftest::SendBw,
+};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -106,7 +109,21 @@ fn main() -> Result<()> {
             sent_total += r.msgs;
             // As many messages as ours moved (-n counts per QP), so both run about as long.
             let iters = (r.msgs / u64::from(n)).max(u64::from(4 * args.window));
-            let p = ib_send_bw(&ns, &dev, gid_index, n, iters, &args, addr.ip())?;
+            let perftest = SendBw {
+                dev: &dev,
+                gid_index,
+                size: args.size,
+                window: args.window,
+                qps: n,
+                server_ns: &ns.name,
+                client_ns: None,
+                server: addr.ip(),
+            };
+            let p = Rate {
+                msgs: iters * u64::from(n),
+                msg_per_s: perftest.msg_per_s(iters)?,
+                size: args.size,
+            };
             eprintln!(
                 "round {round}, {n} QP: ours {:.0} msg/s {:.1} MB/s; ib_send_bw {:.0} msg/s {:.1} MB/s",
                 r.msg_per_s(),
@@ -237,95 +254,4 @@ fn blast(node: &Node, conns: &[Connection], size: u32, window: u32, dur: Duratio
         msg_per_s: done as f64 / start.elapsed().as_secs_f64(),
         size,
     })
-}
-
-/// `ib_send_bw` with `qps` QPs: server in the namespace, client here, the same device, GID,
-/// size and window as ours, `iters` messages per QP.
-///
-/// Its own figures cannot be used in this VM: under software emulation its cycle-counter
-/// clock is off by orders of magnitude (it printed "640 iterations, 0.00 MB/sec" for a run
-/// that took seconds: seen here), and its duration mode (-D) counted 0 iterations. So the
-/// client is timed from outside, twice, with `iters` and with a short run, and the rate is
-/// the difference of messages over the difference of times: the fixed costs (process start,
-/// device open, the TCP exchange, QP setup) cancel.
-fn ib_send_bw(
-    ns: &Netns,
-    dev: &str,
-    gid_index: u8,
-    qps: u32,
-    iters: u64,
-    args: &Args,
-    server: std::net::IpAddr,
-) -> Result<Rate> {
-    let short = u64::from(2 * args.window);
-    let iters = iters.max(4 * short);
-    let t0 = perftest_once(ns, dev, gid_index, qps, short, args, server)?;
-    let t1 = perftest_once(ns, dev, gid_index, qps, iters, args, server)?;
-    ensure!(
-        t1 > t0,
-        "ib_send_bw: {iters} messages took no longer than {short}"
-    );
-    let msgs = (iters - short) * u64::from(qps);
-    Ok(Rate {
-        msgs,
-        msg_per_s: msgs as f64 / (t1 - t0),
-        size: args.size,
-    })
-}
-
-/// One `ib_send_bw` run; the client's wall time in seconds.
-fn perftest_once(
-    ns: &Netns,
-    dev: &str,
-    gid_index: u8,
-    qps: u32,
-    iters: u64,
-    args: &Args,
-    server: std::net::IpAddr,
-) -> Result<f64> {
-    let common = [
-        "-d".to_string(),
-        dev.to_string(),
-        "-x".into(),
-        gid_index.to_string(),
-        "-s".into(),
-        args.size.to_string(),
-        "-t".into(),
-        args.window.to_string(),
-        "-q".into(),
-        qps.to_string(),
-        "-n".into(),
-        iters.to_string(),
-        "-F".into(),
-    ];
-    let mut srv = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "ib_send_bw"])
-        .args(&common)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .context("ib_send_bw (perftest) server")?;
-    // The client is retried until the server listens; only the run that worked is timed.
-    for _ in 0..50 {
-        std::thread::sleep(Duration::from_millis(200));
-        let t = Instant::now();
-        let o = Command::new("ib_send_bw")
-            .args(&common)
-            .arg(server.to_string())
-            .output()
-            .context("ib_send_bw (perftest) client")?;
-        let secs = t.elapsed().as_secs_f64();
-        if o.status.success() {
-            let _ = srv.wait();
-            let text = String::from_utf8_lossy(&o.stdout);
-            ensure!(
-                text.contains("#bytes"),
-                "ib_send_bw printed no result:\n{text}"
-            );
-            return Ok(secs);
-        }
-    }
-    let _ = srv.kill();
-    let _ = srv.wait();
-    bail!("ib_send_bw client never ran")
 }
