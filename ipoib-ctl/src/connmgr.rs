@@ -109,13 +109,7 @@ impl Resolve {
                 ud_qpn: lab_ud_qpn(ip),
             }),
             Resolve::Neighbour(iface) => {
-                let out = tokio::process::Command::new("ip")
-                    .args(["-j", "neigh", "show", "to", &ip.to_string(), "dev", iface])
-                    .output()
-                    .await
-                    .ok()?;
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-                parse_ipoib_hwaddr(v.get(0)?.get("lladdr")?.as_str()?)
+                parse_ipoib_hwaddr(&crate::netdev::neighbour(iface, ip).await?)
             }
         }
     }
@@ -296,21 +290,10 @@ fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
              set it to 2 (loose) or 0"
         ),
         "2" => {
-            let out = std::process::Command::new("ip")
-                .args(["-4", "-j", "addr", "show", "dev", iface])
-                .output()?;
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-            let addrs = v
-                .get(0)
-                .and_then(|l| l.get("addr_info"))
-                .and_then(|a| a.as_array())
-                .cloned()
-                .unwrap_or_default();
-            for a in addrs {
-                if let Some(local) = a.get("local").and_then(|l| l.as_str()) {
-                    let cidr = format!("{local}/32");
-                    ip_cmd(tun, &["addr", "add", &cidr, "dev", tun, "noprefixroute"])?;
-                }
+            let addrs = crate::netdev::ipv4_addrs(iface).unwrap_or_default();
+            for local in addrs {
+                let cidr = format!("{local}/32");
+                ip_cmd(tun, &["addr", "add", &cidr, "dev", tun, "noprefixroute"])?;
             }
         }
         _ => {}
@@ -320,12 +303,9 @@ fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
 
 /// The interface's gso_max_size, from `ip -d -j link`.
 fn gso_max_size(iface: &str) -> Option<u64> {
-    let out = std::process::Command::new("ip")
-        .args(["-d", "-j", "link", "show", "dev", iface])
-        .output()
-        .ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.get(0)?.get("gso_max_size")?.as_u64()
+    crate::netdev::link_attr(iface, "gso_max_size")
+        .ok()??
+        .as_u64()
 }
 
 fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError> {
@@ -334,12 +314,11 @@ fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError
         opts.device,
         opts.port
     );
-    let caps = verbs::discover()?;
-    let d = caps
-        .iter()
-        .find(|d| d.name == opts.device)
-        .ok_or_else(|| CmError::NoDevice(opts.device.clone()))?;
-    let p = plan::plan(&d.limits(), verbs::system_memory(), opts.memory_budget);
+    let dev = Device::open(&opts.device).map_err(|e| match e {
+        VerbsError::NoDevices => CmError::NoDevice(opts.device.clone()),
+        e => e.into(),
+    })?;
+    let p = plan::plan(&dev.limits()?, verbs::system_memory(), opts.memory_budget);
     if p.kind != PlanKind::Srq || p.max_cm_peers == 0 {
         // Per-connection rings (no SRQ) are planned but not built yet.
         return Err(CmError::NoPlan {
@@ -347,7 +326,6 @@ fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError
             why: p.why,
         });
     }
-    let dev = Device::open(&opts.device)?;
     let port = dev.first_address(opts.port)?;
     let pd = dev.alloc_pd()?;
     let depth = p.ring as u32;

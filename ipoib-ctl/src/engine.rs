@@ -84,6 +84,9 @@ pub struct EngineStats {
     pub rx_errors: AtomicU64,
     /// Writes into the TUN device that failed.
     pub rx_tun_errors: AtomicU64,
+    /// Connections the engine tracks sends for (a gauge; those whose connection is gone and
+    /// have nothing in flight are forgotten once a second).
+    pub flows: AtomicU64,
     /// Bytes received per QP (the control plane counts a connection that only receives as
     /// active; it removes a QP's entry when the connection is gone).
     pub rx_by_qp: Mutex<HashMap<u32, u64>>,
@@ -114,6 +117,7 @@ impl EngineStats {
             ("rx_bytes", g(&self.rx_bytes)),
             ("rx_errors", g(&self.rx_errors)),
             ("rx_tun_errors", g(&self.rx_tun_errors)),
+            ("flows", g(&self.flows)),
         ]
     }
 
@@ -339,10 +343,13 @@ impl Engine {
         core.completions(&self.tun)?;
         tokio::pin!(stop);
         let mut buf = vec![0u8; TUN_READ_MAX];
+        let mut housekeeping = tokio::time::interval(Duration::from_secs(1));
+        housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let can_send = !core.free.is_empty();
             tokio::select! {
                 _ = &mut stop => return Ok(()),
+                _ = housekeeping.tick() => core.forget_stale_flows(),
                 g = channel.readable() => {
                     let mut g = g.map_err(tun_err)?;
                     while core.cq.wait(Duration::ZERO)? {}
@@ -375,6 +382,21 @@ impl Engine {
 impl Core {
     fn count(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Forgets the flows of connections that are gone (no longer routed to their QP) and have
+    /// nothing in flight or waiting: a connection closed while idle gets no completion that
+    /// would remove its flow.
+    fn forget_stale_flows(&mut self) {
+        let routes = &self.routes;
+        self.flows.retain(|qpn, f| {
+            f.in_flight > 0
+                || !f.waiting.is_empty()
+                || routes.get(&f.dst).is_some_and(|r| r.qp.qpn() == *qpn)
+        });
+        self.stats
+            .flows
+            .store(self.flows.len() as u64, Ordering::Relaxed);
     }
 
     /// One packet read from the TUN device: to its connection.

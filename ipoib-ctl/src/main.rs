@@ -2,7 +2,7 @@
 
 use std::{fs::File, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode, time::Duration};
 
-use anyhow::{Context as _, Result, anyhow, bail};
+use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
 use ipoib_ctl::{
     attach::{self, AttachError},
@@ -161,23 +161,6 @@ fn parse_qpn(s: &str) -> Result<u32, String> {
     Ok(v)
 }
 
-/// `ip -j` output of one interface, in this network namespace.
-fn ip_json(args: &[&str]) -> Result<serde_json::Value> {
-    let out = std::process::Command::new("ip")
-        .arg("-j")
-        .args(args)
-        .output()
-        .context("running ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(serde_json::from_slice(&out.stdout)?)
-}
-
 /// What connected mode runs with on `iface`; None (said why) when it cannot run.
 fn cm_options(
     iface: &str,
@@ -212,8 +195,8 @@ fn cm_options(
         let qpn = match args.ud_qpn {
             Some(q) => q,
             None => {
-                let link = ip_json(&["link", "show", "dev", iface])?;
-                let addr = link[0]["address"].as_str().unwrap_or_default();
+                let addr = ipoib_ctl::netdev::link_attr(iface, "address")?;
+                let addr = addr.as_ref().and_then(|a| a.as_str()).unwrap_or_default();
                 parse_ipoib_hwaddr(addr)
                     .with_context(|| format!("{iface}: `{addr}` is no IPoIB hardware address"))?
                     .ud_qpn
@@ -224,14 +207,13 @@ fn cm_options(
         let qpn = match args.ud_qpn {
             Some(q) => q,
             None => {
-                let addrs = ip_json(&["-4", "addr", "show", "dev", iface])?;
-                let ip: std::net::IpAddr = addrs[0]["addr_info"][0]["local"]
-                    .as_str()
-                    .and_then(|a| a.parse().ok())
+                let ip = ipoib_ctl::netdev::ipv4_addrs(iface)?
+                    .first()
+                    .copied()
                     .with_context(|| {
                         format!("{iface} has no IPv4 address for the lab's UD QPN (or --ud-qpn)")
                     })?;
-                lab_ud_qpn(ip)
+                lab_ud_qpn(ip.into())
             }
         };
         (Resolve::Lab, qpn)

@@ -2,7 +2,7 @@
 //! caller's network namespace (ioctls on a socket; /sys/class/net would show the namespace
 //! sysfs was mounted in, which under `nsenter --net` is not ours).
 
-use std::{ffi::CString, io, os::fd::AsRawFd as _};
+use std::{ffi::CString, io, net::Ipv4Addr, os::fd::AsRawFd as _};
 
 use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND};
 
@@ -30,6 +30,8 @@ pub enum NetdevError {
         #[source]
         source: io::Error,
     },
+    #[error("`{cmd}` failed: {stderr}")]
+    Ip { cmd: String, stderr: String },
 }
 
 /// One interface as the kernel reports it.
@@ -140,9 +142,111 @@ impl Netdev {
     }
 }
 
+/// `ip -j ARGS`, parsed, in this network namespace: what the ioctls above do not give (an
+/// interface's addresses, its detailed link attributes, its neighbours).
+pub fn ip_json(args: &[&str]) -> Result<serde_json::Value, NetdevError> {
+    let out = std::process::Command::new("ip")
+        .arg("-j")
+        .args(args)
+        .output();
+    parse_ip_output(args, out)
+}
+
+/// [`ip_json`] without blocking the async runtime.
+pub async fn ip_json_async(args: &[&str]) -> Result<serde_json::Value, NetdevError> {
+    let out = tokio::process::Command::new("ip")
+        .arg("-j")
+        .args(args)
+        .output()
+        .await;
+    parse_ip_output(args, out)
+}
+
+fn parse_ip_output(
+    args: &[&str],
+    out: io::Result<std::process::Output>,
+) -> Result<serde_json::Value, NetdevError> {
+    let cmd = format!("ip -j {}", args.join(" "));
+    let out = out.map_err(|e| NetdevError::Ip {
+        cmd: cmd.clone(),
+        stderr: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(NetdevError::Ip {
+            cmd,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+        });
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| NetdevError::Ip {
+        cmd,
+        stderr: format!("unreadable output: {e}"),
+    })
+}
+
+/// The IPv4 addresses of `iface`, in the order `ip` lists them.
+pub fn ipv4_addrs(iface: &str) -> Result<Vec<Ipv4Addr>, NetdevError> {
+    Ok(ipv4_addrs_of(&ip_json(&[
+        "-4", "addr", "show", "dev", iface,
+    ])?))
+}
+
+fn ipv4_addrs_of(v: &serde_json::Value) -> Vec<Ipv4Addr> {
+    v.get(0)
+        .and_then(|l| l.get("addr_info"))
+        .and_then(|a| a.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a.get("local")?.as_str()?.parse().ok())
+        .collect()
+}
+
+/// `iface`'s link attribute `key` (`ip -d -j link`: address, gso_max_size, ...).
+pub fn link_attr(iface: &str, key: &str) -> Result<Option<serde_json::Value>, NetdevError> {
+    let v = ip_json(&["-d", "link", "show", "dev", iface])?;
+    Ok(v.get(0).and_then(|l| l.get(key)).cloned())
+}
+
+/// The link-layer address the neighbour table holds for `ip` on `iface`.
+pub async fn neighbour(iface: &str, ip: std::net::IpAddr) -> Option<String> {
+    let v = ip_json_async(&["neigh", "show", "to", &ip.to_string(), "dev", iface])
+        .await
+        .ok()?;
+    Some(v.get(0)?.get("lladdr")?.as_str()?.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv4_addresses_are_read_from_ip_json() {
+        let v: serde_json::Value = serde_json::from_str(
+            r#"[{"ifindex":2,"ifname":"ib0","addr_info":[
+                {"family":"inet","local":"10.0.0.7","prefixlen":24},
+                {"family":"inet","local":"10.0.1.7","prefixlen":32}]}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            ipv4_addrs_of(&v),
+            vec![Ipv4Addr::new(10, 0, 0, 7), Ipv4Addr::new(10, 0, 1, 7)]
+        );
+        assert!(ipv4_addrs_of(&serde_json::json!([])).is_empty());
+    }
+
+    /// The real `ip` against the real kernel.
+    #[test]
+    fn loopback_attributes_come_from_ip() {
+        assert_eq!(ipv4_addrs("lo").unwrap(), vec![Ipv4Addr::LOCALHOST]);
+        assert!(
+            link_attr("lo", "gso_max_size")
+                .unwrap()
+                .is_some_and(|g| g.is_u64())
+        );
+        assert!(matches!(
+            ipv4_addrs("nosuchif0"),
+            Err(NetdevError::Ip { .. })
+        ));
+    }
 
     /// Runs against the real kernel: `lo` exists in every network namespace.
     #[test]

@@ -173,6 +173,24 @@ impl Device {
         ))
     }
 
+    /// The limits the memory plan needs (one ibv_query_device; `discover` reads every
+    /// device, port and GID besides).
+    pub fn limits(&self) -> Result<crate::plan::HcaLimits, VerbsError> {
+        let mut attr = ffi::ibv_device_attr::default();
+        // SAFETY: valid context and out pointer.
+        let rc = unsafe { ffi::ibv_query_device(self.ctx.ctx, &mut attr) };
+        self.ctx.check("ibv_query_device", rc)?;
+        let n = |v: i32| v.max(0) as u64;
+        Ok(crate::plan::HcaLimits {
+            max_qp: n(attr.max_qp),
+            max_qp_wr: n(attr.max_qp_wr),
+            max_cqe: n(attr.max_cqe),
+            max_srq: n(attr.max_srq),
+            max_srq_wr: n(attr.max_srq_wr),
+            max_srq_sge: n(attr.max_srq_sge),
+        })
+    }
+
     /// The next asynchronous event, waiting up to `timeout`; `None` when none came.
     pub fn async_event(&self, timeout: Duration) -> Result<Option<AsyncEvent>, VerbsError> {
         // SAFETY: valid context; async_fd is plain data.
