@@ -45,11 +45,12 @@ struct Stream {
 
 impl Stream {
     fn start(a: &Node, b: &Node, port: u16) -> Self {
-        let addr = format!("{}:{port}", b.ip4);
-        let listener = in_netns(&b.ns, {
-            let addr = addr.clone();
-            move || TcpListener::bind(addr).expect("listen at B")
-        });
+        Self::start_to(a, b, std::net::SocketAddr::new(b.ip4.into(), port))
+    }
+
+    /// A stream from `a` to `addr`, one of `b`'s addresses.
+    fn start_to(a: &Node, b: &Node, addr: std::net::SocketAddr) -> Self {
+        let listener = in_netns(&b.ns, move || TcpListener::bind(addr).expect("listen at B"));
         let received = Arc::new(AtomicU64::new(0));
         let progress = received.clone();
         let receiver = std::thread::spawn(move || {
@@ -167,6 +168,36 @@ impl SmallUdp {
         let sent = self.sender.join().expect("UDP sender");
         (sent, self.receiver.join().expect("UDP receiver"))
     }
+}
+
+/// After a fault sent `peer` to UD at A (`fell`: A's entry then), the flow goes on over UD:
+/// more than 1 MiB in the next 3 s.
+fn goes_on_over_ud(a: &Node, peer: &str, fell: &serde_json::Value) {
+    std::thread::sleep(Duration::from_secs(3));
+    let on_ud = a.peer(peer).unwrap().unwrap();
+    assert!(
+        u(&on_ud, "tx_ud_bytes") > u(fell, "tx_ud_bytes") + (1 << 20),
+        "the flow did not go on over UD: {on_ud}"
+    );
+}
+
+/// The fault gone (`what`), `peer` is back on CM at A within `within` and the flow goes CM
+/// again: more than 1 MiB in the next 4 s.
+fn returns_to_cm(a: &Node, peer: &str, within: Duration, what: &str) {
+    let t = Instant::now();
+    let back = a.wait_peer_mode(peer, "cm_up", within).unwrap_or_else(|| {
+        panic!(
+            "not back on CM within {within:?} of {what}: {:#}",
+            a.status().unwrap()["cm"]
+        )
+    });
+    eprintln!("{what}: back on CM after {:.1?}", t.elapsed());
+    std::thread::sleep(Duration::from_secs(4));
+    let later = a.peer(peer).unwrap().unwrap();
+    assert!(
+        u(&later, "tx_cm_bytes") > u(&back, "tx_cm_bytes") + (1 << 20),
+        "back on CM, yet the flow does not go CM: {later}"
+    );
 }
 
 /// The rxe device, the device's resource counts before the test, and a fresh lab named
@@ -304,7 +335,13 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
         ud >> 10,
         during["cm"]
     );
-    if (cm as f64) < 0.9 * (cm + ud) as f64 {
+    // The large majority goes CM. Not all: when the connection's queue overflows, the next
+    // packets go UD until it drains (`tx_congested`; seen here once in a run, 15 of 101 MiB).
+    eprintln!(
+        "A's queue overflowed {} time(s)",
+        u(&during["cm"]["engine"], "tx_congested")
+    );
+    if (cm as f64) < 0.75 * (cm + ud) as f64 {
         let tun_b = b.status().unwrap()["cm"].clone();
         let link = b.cmd("ip").args(["-s", "link"]).output().unwrap();
         let nstat = b.cmd("nstat").args(["-az"]).output().unwrap();
@@ -404,13 +441,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
         .wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
         .expect("A kept B on CM after B's engine died");
     eprintln!("B killed: A fell back to UD after {:.1?}", t.elapsed());
-    // The flow goes on over UD.
-    std::thread::sleep(Duration::from_secs(3));
-    let on_ud = a.peer(&b_ip).unwrap().unwrap();
-    assert!(
-        u(&on_ud, "tx_ud_bytes") > u(&fell, "tx_ud_bytes") + (1 << 20),
-        "the flow did not go on over UD: {on_ud}"
-    );
+    goes_on_over_ud(&a, &b_ip, &fell);
     assert_eq!(a.status().unwrap()["cm"]["connections"], 0);
 
     // B back: its entry for A, left CM_UP by the killed loop (pointing at a TUN device that
@@ -424,22 +455,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
         "B restarted with a stale entry for A: {b_view} (A sees B as {a_view})"
     );
     // After A's backoff the flow is promoted again.
-    let t = Instant::now();
-    let back = a
-        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(30))
-        .unwrap_or_else(|| {
-            panic!(
-                "not promoted again within 30 s: {:#}",
-                a.status().unwrap()["cm"]
-            )
-        });
-    eprintln!("B restarted: back on CM after {:.1?}", t.elapsed());
-    std::thread::sleep(Duration::from_secs(4));
-    let later = a.peer(&b_ip).unwrap().unwrap();
-    assert!(
-        u(&later, "tx_cm_bytes") > u(&back, "tx_cm_bytes") + (1 << 20),
-        "back on CM, yet the flow does not go CM: {later}"
-    );
+    returns_to_cm(&a, &b_ip, Duration::from_secs(30), "B's restart");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     lab.teardown();
@@ -502,30 +518,10 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
         u(&cm["engine"], "send_errors") > 0,
         "the fallback came from something else than the QP error: {cm:#}"
     );
-    std::thread::sleep(Duration::from_secs(3));
-    let on_ud = a.peer(&b_ip).unwrap().unwrap();
-    assert!(
-        u(&on_ud, "tx_ud_bytes") > u(&fell, "tx_ud_bytes") + (1 << 20),
-        "the flow did not go on over UD: {on_ud}"
-    );
+    goes_on_over_ud(&a, &b_ip, &fell);
 
     drop(guard);
-    let t = Instant::now();
-    let back = a
-        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(90))
-        .unwrap_or_else(|| {
-            panic!(
-                "not back on CM within 90 s of the link's return: {:#}",
-                a.status().unwrap()["cm"]
-            )
-        });
-    eprintln!("RC path up: back on CM after {:.1?}", t.elapsed());
-    std::thread::sleep(Duration::from_secs(4));
-    let later = a.peer(&b_ip).unwrap().unwrap();
-    assert!(
-        u(&later, "tx_cm_bytes") > u(&back, "tx_cm_bytes") + (1 << 20),
-        "back on CM, yet the flow does not go CM: {later}"
-    );
+    returns_to_cm(&a, &b_ip, Duration::from_secs(90), "the link's return");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     lab.teardown();
@@ -763,52 +759,179 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm() {
             )
         });
     let took = t.elapsed();
-    let cm = a.status().unwrap()["cm"].clone();
-    let why = cm["peers"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["addr"] == b_ip.as_str()).cloned())
-        .expect("B in A's CM status");
+    // The map changes at once; the policy's view is written into the status once a tick.
+    let b_addr: std::net::IpAddr = b.ip4.into();
+    let t = Instant::now();
+    let failed = loop {
+        let s = read_status(&a.iface);
+        let p = s
+            .as_ref()
+            .and_then(|s| s.peers.iter().find(|p| p.addr == b_addr).cloned());
+        if let (Some(s), Some(p)) = (&s, p)
+            && (p.failures >= 1 || t.elapsed() > Duration::from_secs(5))
+        {
+            break (s.clone(), p);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let (cm, why) = failed;
     eprintln!(
         "B stopped: A fell back to UD after {took:.1?} ({}; send errors {}, queue overflows {})",
-        why["why"],
-        u(&cm["engine"], "send_errors"),
-        u(&cm["engine"], "tx_congested")
+        why.why,
+        cm.engine.get("send_errors").unwrap_or(&0),
+        cm.engine.get("tx_congested").unwrap_or(&0)
     );
     assert!(
-        u(&why, "failures") >= 1,
-        "the fallback was not taken as B's failure: {why}"
+        why.failures >= 1,
+        "the fallback was not taken as B's failure: {why:?}"
     );
     let before = stream.received();
-    std::thread::sleep(Duration::from_secs(4));
-    let on_ud = a.peer(&b_ip).unwrap().unwrap();
-    assert!(
-        u(&on_ud, "tx_ud_bytes") > u(&fell, "tx_ud_bytes") + (1 << 20),
-        "the flow did not go on over UD: {on_ud}"
-    );
+    goes_on_over_ud(&a, &b_ip, &fell);
     assert!(
         stream.received() > before + (1 << 20),
         "nothing arrived while B was stopped"
     );
 
     drop(resume);
+    returns_to_cm(&a, &b_ip, Duration::from_secs(90), "B's resumption");
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    // mode=datagram drains the connection; the engine forgets what it tracked for it.
+    let flows = || read_status(&a.iface).and_then(|s| s.engine.get("flows").copied());
+    assert!(flows().is_some_and(|f| f >= 1), "A's engine tracks no flow");
+    let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
+    assert!(out.status.success());
+    a.wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
+        .expect("mode=datagram drained B");
     let t = Instant::now();
-    let back = a
-        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(90))
+    while flows() != Some(0) && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(flows(), Some(0), "the closed connection's flow lingers");
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// An IPv6 peer: a bulk stream to B's IPv6 address is promoted like an IPv4 one (the fast path
+/// keys the peer by its IPv6 address, the handshake runs over IPv6, the engine routes IPv6
+/// packets), goes CM and arrives intact.
+#[test]
+fn an_ipv6_peer_is_promoted_too() {
+    let test = "an_ipv6_peer_is_promoted_too";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hy6", 2) else {
+        return;
+    };
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b6: std::net::Ipv6Addr = b.ip6.parse().unwrap();
+    let key = b6.to_string();
+    let stream = Stream::start_to(&a, &b, std::net::SocketAddr::new(b6.into(), 5306));
+    let at = a
+        .wait_peer_mode(&key, "cm_up", Duration::from_secs(15))
         .unwrap_or_else(|| {
             panic!(
-                "not back on CM within 90 s of B's return: {:#}",
+                "{key} was not promoted at A in 15 s: {:#}",
                 a.status().unwrap()["cm"]
             )
         });
-    eprintln!("B resumed: back on CM after {:.1?}", t.elapsed());
     std::thread::sleep(Duration::from_secs(4));
-    let later = a.peer(&b_ip).unwrap().unwrap();
-    assert!(
-        u(&later, "tx_cm_bytes") > u(&back, "tx_cm_bytes") + (1 << 20),
-        "back on CM, yet the flow does not go CM: {later}"
+    let later = a.peer(&key).unwrap().unwrap();
+    let (cm, ud) = (
+        u(&later, "tx_cm_bytes") - u(&at, "tx_cm_bytes"),
+        u(&later, "tx_ud_bytes") - u(&at, "tx_ud_bytes"),
     );
     let sent = stream.finish();
-    eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    eprintln!(
+        "IPv6: {} MiB sent; after promotion CM {} MiB, UD {} KiB",
+        sent >> 20,
+        cm >> 20,
+        ud >> 10
+    );
+    assert!(cm > 1 << 20, "hardly anything went CM over IPv6: {later}");
+    assert!(
+        cm as f64 >= 0.9 * (cm + ud) as f64,
+        "after promotion only {cm} of {} bytes went CM",
+        cm + ud
+    );
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// Backpressure: hosts tuned for bulk TCP (socket buffers up to 64 MiB, as HPC sites set
+/// them) and four streams to one peer put more in flight than the connection's queue holds
+/// (64 sends posted, 128 waiting). The engine reports the overflow, the peer goes UD while
+/// the queue drains (the next packets take UD at once, the connection stays up), and CM
+/// again once drained; every stream arrives intact.
+#[test]
+fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains() {
+    let test = "an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyo", 2) else {
+        return;
+    };
+    for n in [&lab.a, &lab.b] {
+        for k in ["net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"] {
+            let out = n
+                .cmd("sysctl")
+                .args(["-qw", &format!("{k}=4096 131072 67108864")])
+                .output()
+                .unwrap();
+            assert!(out.status.success());
+        }
+    }
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let streams: Vec<Stream> = (0..4).map(|i| Stream::start(&a, &b, 5320 + i)).collect();
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .expect("promoted");
+    // Big packets sent UD because the peer is not CM_UP (the fast path's reason counter):
+    // from here on, only the overflow makes any.
+    let not_up = |s: &serde_json::Value| u(&s["reasons"]["tx_ud_peer_not_up"], "packets");
+    let on_cm = not_up(&a.status().unwrap());
+    let engine = |k: &str| read_status(&a.iface).and_then(|s| s.engine.get(k).copied());
+    let t = Instant::now();
+    while engine("tx_congested").unwrap_or(0) == 0 && t.elapsed() < Duration::from_secs(40) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let congested = engine("tx_congested").unwrap_or(0);
+    let cm = a.status().unwrap()["cm"].clone();
+    assert!(
+        congested > 0,
+        "the queue never overflowed in 40 s: {:#}",
+        cm["engine"]
+    );
+    eprintln!(
+        "queue overflowed after {:.1?} ({congested} time(s), {} packets dropped at the bound)",
+        t.elapsed(),
+        u(&cm["engine"], "tx_backpressure")
+    );
+    // While it drains the peer is UD, then CM again, on the same connection.
+    std::thread::sleep(Duration::from_secs(6));
+    let later = not_up(&a.status().unwrap());
+    eprintln!(
+        "{} big packets went UD while the queue drained",
+        later - on_cm
+    );
+    assert!(
+        later > on_cm,
+        "no big packet went UD while the queue drained"
+    );
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(10))
+        .expect("CM again once drained");
+    let cm = a.status().unwrap()["cm"].clone();
+    let peer = cm["peers"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["addr"] == b_ip.as_str()).cloned())
+        .expect("B in A's CM status");
+    assert_eq!(
+        peer["promotions"], 1,
+        "congestion tore the connection down: {peer}"
+    );
+    assert_eq!(u(&cm["engine"], "send_errors"), 0, "{cm:#}");
+    let total: u64 = streams.into_iter().map(Stream::finish).sum();
+    eprintln!("{} MiB in four streams crossed intact", total >> 20);
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }

@@ -154,6 +154,8 @@ fn srq_from_the_plan_is_filled_and_freed() {
     let before = rdma_resources(&dev);
     {
         let d = Device::open(&dev).unwrap();
+        // The one query connected mode makes gives what discovery found.
+        assert_eq!(d.limits().unwrap(), hca.limits());
         let pd = d.alloc_pd().unwrap();
         let srq =
             SharedReceiveQueue::create(&pd, depth, p.buffer_bytes as u32, p.buffer_cost).unwrap();

@@ -36,8 +36,8 @@ enum Cmd {
     /// with connected mode on soft-RoCE (in the VM where this kernel has no RDMA): ping on UD,
     /// a bulk flow promoted to CM, a fault and the fallback, live status, teardown.
     Run {
-        /// Seconds of bulk TCP in the lab (at least 24 with connected mode: promotion, a
-        /// fault, the fallback and the return).
+        /// Seconds of bulk TCP in the lab (at least 30 with connected mode: promotion, two
+        /// faults, each with the fallback and the return).
         #[arg(long, default_value_t = 6)]
         duration: u32,
         /// Print the final status of both lab nodes as JSON too.
@@ -69,9 +69,10 @@ enum Cmd {
     VmTest {
         /// Only these test targets (fastpath, lab, verbs, cm, engine, hybrid); all by default.
         targets: Vec<String>,
-        /// Only the tests whose names contain this (libtest's filter), in every target run.
+        /// Only the tests whose names contain this (libtest's filter), in every target run;
+        /// repeat for several.
         #[arg(long, value_name = "SUBSTRING")]
-        filter: Option<String>,
+        filter: Vec<String>,
         /// Show what the tests print (their measurements) even when they pass.
         #[arg(long)]
         nocapture: bool,
@@ -139,14 +140,14 @@ fn main() -> Result<()> {
                 println!("==> skipping the 6.1 VM run (--no-vm)");
                 Ok(())
             } else {
-                vm::test(&root, &[], None, false)
+                vm::test(&root, &[], &[], false)
             }
         }
         Cmd::VmTest {
             targets,
             filter,
             nocapture,
-        } => vm::test(&root, &targets, filter.as_deref(), nocapture),
+        } => vm::test(&root, &targets, &filter, nocapture),
         Cmd::Bench {
             what: Bench::Datapath { repeat, rounds },
         } => {

@@ -69,13 +69,12 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
 /// Test targets run in the VM.
 pub const TARGETS: &[&str] = &["fastpath", "lab", "verbs", "cm", "engine", "hybrid"];
 
-pub fn test(root: &Path, only: &[String], filter: Option<&str>, nocapture: bool) -> Result<()> {
-    if let Some(f) = filter
-        && !f
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
-    {
-        bail!("--filter takes a test name or part of one (letters, digits, _ and ::): `{f}`");
+pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -> Result<()> {
+    for f in filters {
+        let ok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+        if f.is_empty() || !f.chars().all(ok) {
+            bail!("--filter takes a test name or part of one (letters, digits, _ and ::): `{f}`");
+        }
     }
     if !is_root() {
         bail!("the VM tests need root (the lab inside builds network namespaces)");
@@ -106,7 +105,7 @@ pub fn test(root: &Path, only: &[String], filter: Option<&str>, nocapture: bool)
             "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 {} --test-threads=1 {} {} || rc=1; ",
             exe.display(),
             if nocapture { "--nocapture" } else { "" },
-            filter.unwrap_or_default()
+            filters.join(" ")
         ));
     }
     script.push_str("exit $rc");

@@ -31,7 +31,8 @@ struct Args {
     #[arg(long)]
     json: bool,
     /// Connected mode for real: soft-RoCE (rxe) under the lab, `attach --cm-device`, the
-    /// engine and the policy; then a fault (node B's control loop killed) and the fallback.
+    /// engine and the policy; then two faults (the RC path failing under the flow, node B's
+    /// control loop killed), each followed by the fallback to UD and the return to CM.
     /// Needs a kernel with rdma_rxe (`cargo xtask run` boots the VM for it).
     #[arg(long)]
     rdma: bool,
@@ -234,8 +235,39 @@ fn live_line(t: f64, a: &Node, b: &Node) {
 }
 
 /// The demo with connected mode for real (soft-RoCE): ping on UD, a bulk TCP flow promoted to
-/// CM, B's control loop killed under the flow (its QPs die with it), the flow on UD, B back,
-/// the flow back on CM after A's backoff.
+/// The netdev under an RDMA device (soft-RoCE), from sysfs.
+fn rdma_netdev(dev: &str) -> Option<String> {
+    std::fs::read_dir(format!("/sys/class/infiniband/{dev}/device/net"))
+        .ok()?
+        .flatten()
+        .next()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+}
+
+fn link(dev: &str, state: &str) -> Result<()> {
+    let out = Command::new("ip")
+        .args(["link", "set", dev, state])
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "ip link set {dev} {state}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Brings a link back up however the demo ends.
+struct LinkUp(String);
+impl Drop for LinkUp {
+    fn drop(&mut self) {
+        let _ = link(&self.0, "up");
+    }
+}
+
+/// CM, then two faults under the flow, each survived on UD and followed by the return to CM:
+/// the RC path fails (the link under the soft-RoCE device down: A's sends exhaust their
+/// retries and its QP errors), and B's control loop is killed (its QPs die with it).
 fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
     lab.attach(Which::A, &["--cm-device", dev])?;
     let mut pid_b = lab.attach(Which::B, &["--cm-device", dev])?;
@@ -254,12 +286,26 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
         "ping {} -> {}: {got}/{sent} replies (small packets: UD)\n",
         a.ip4, b.ip4
     );
-    let secs = args.duration.max(24);
-    println!(
-        "bulk TCP (iperf3) A -> B for {secs} s; node B's control loop is killed at {} s and restarted at {} s\n",
-        secs * 2 / 5,
-        secs * 3 / 5
-    );
+    let secs = args.duration.max(30);
+    // Only the lab's own soft-RoCE link is taken down, never a real HCA's.
+    let rc_link = rdma_netdev(dev).filter(|n| n == "rxev0");
+    let at = |pct: u32| f64::from(secs * pct / 100);
+    match &rc_link {
+        Some(l) => println!(
+            "bulk TCP (iperf3) A -> B for {secs} s; the RC path fails at {} s ({l} down) and \
+             returns at {} s; node B's control loop is killed at {} s and restarted at {} s\n",
+            at(25),
+            at(35),
+            at(55),
+            at(70)
+        ),
+        None => println!(
+            "bulk TCP (iperf3) A -> B for {secs} s; node B's control loop is killed at {} s and \
+             restarted at {} s ({dev} is not the lab's soft-RoCE device: its link stays up)\n",
+            at(55),
+            at(70)
+        ),
+    }
     let server = b
         .cmd("iperf3")
         .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
@@ -284,17 +330,29 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
         .spawn()?;
     let start = Instant::now();
     let (mut killed, mut restarted) = (false, false);
+    let mut link_guard: Option<LinkUp> = None;
+    let mut link_failed = false;
     while client.try_wait()?.is_none() && !stop_requested() {
         sleep_unless_stopped(Duration::from_secs(1));
         let t = start.elapsed().as_secs_f64();
         live_line(t, &a, &b);
-        if !killed && t >= f64::from(secs * 2 / 5) {
+        if let Some(l) = rc_link.as_ref().filter(|_| !link_failed && t >= at(25)) {
+            link_guard = Some(LinkUp(l.clone()));
+            link(l, "down")?;
+            link_failed = true;
+            println!(
+                "        FAULT: the RC path fails ({l}, the link under {dev}, down): A's sends run out of retries and its QP errors"
+            );
+        } else if link_guard.is_some() && t >= at(35) {
+            drop(link_guard.take());
+            println!("        the RC path is back; A reconnects after its backoff");
+        } else if !killed && t >= at(55) {
             lab.kill9(pid_b);
             killed = true;
             println!(
                 "        FAULT: node B's control loop killed (kill -9): its RC QP and engine are gone"
             );
-        } else if killed && !restarted && t >= f64::from(secs * 3 / 5) {
+        } else if killed && !restarted && t >= at(70) {
             pid_b = lab.attach(Which::B, &["--cm-device", dev])?;
             restarted = true;
             println!("        node B's control loop restarted (pid {pid_b})");
