@@ -415,6 +415,20 @@ pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'sta
 }
 
 /// Whether RDMA tests must run (`cargo xtask vm-test` sets IPOIB_REQUIRE_RDMA=1).
+/// The netdev under an RDMA device: soft-RoCE's `parent` attribute, or a real HCA's
+/// `device/net`.
+pub fn rdma_netdev(dev: &str) -> Option<String> {
+    let sys = format!("/sys/class/infiniband/{dev}");
+    if let Ok(p) = std::fs::read_to_string(format!("{sys}/parent")) {
+        return Some(p.trim().to_string());
+    }
+    std::fs::read_dir(format!("{sys}/device/net"))
+        .ok()?
+        .flatten()
+        .next()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+}
+
 pub fn required() -> bool {
     std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
 }

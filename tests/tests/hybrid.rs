@@ -24,7 +24,7 @@ use std::{
 
 use ipoib_ctl::connmgr::read_status;
 use ipoib_tests::{
-    cmlab::{COUNTED, device, in_netns, rdma_resources, settle},
+    cmlab::{COUNTED, device, in_netns, rdma_netdev, rdma_resources, settle},
     lab::{Lab, Node, Which, json_u64 as u, lab_unavailable},
 };
 
@@ -482,13 +482,12 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyq", 2) else {
         return;
     };
-    let netdev = std::fs::read_dir(format!("/sys/class/infiniband/{dev}/device/net"))
-        .ok()
-        .and_then(|mut d| d.next())
-        .and_then(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .unwrap_or_else(|| "rxev0".into());
-    assert_eq!(netdev, "rxev0", "the test's rxe device runs on rxev0");
+    let netdev = rdma_netdev(&dev);
+    assert_eq!(
+        netdev.as_deref(),
+        Some("rxev0"),
+        "the test's rxe device runs on rxev0"
+    );
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());

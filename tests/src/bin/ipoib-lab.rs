@@ -235,15 +235,6 @@ fn live_line(t: f64, a: &Node, b: &Node) {
 }
 
 /// The demo with connected mode for real (soft-RoCE): ping on UD, a bulk TCP flow promoted to
-/// The netdev under an RDMA device (soft-RoCE), from sysfs.
-fn rdma_netdev(dev: &str) -> Option<String> {
-    std::fs::read_dir(format!("/sys/class/infiniband/{dev}/device/net"))
-        .ok()?
-        .flatten()
-        .next()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-}
-
 fn link(dev: &str, state: &str) -> Result<()> {
     let out = Command::new("ip")
         .args(["link", "set", dev, state])
@@ -288,7 +279,7 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
     );
     let secs = args.duration.max(30);
     // Only the lab's own soft-RoCE link is taken down, never a real HCA's.
-    let rc_link = rdma_netdev(dev).filter(|n| n == "rxev0");
+    let rc_link = ipoib_tests::cmlab::rdma_netdev(dev).filter(|n| n == "rxev0");
     let at = |pct: u32| f64::from(secs * pct / 100);
     match &rc_link {
         Some(l) => println!(
@@ -361,7 +352,7 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
     finish(
         client,
         server,
-        "iperf3 (the flow survived the fault)",
+        "iperf3 (the flow survived both faults)",
         &a,
         &b,
         args.json,
