@@ -334,7 +334,8 @@ pub fn render(s: &Status) -> String {
             let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
             let _ = writeln!(
                 out,
-                "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {})",
+                "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
+                 send errors {}, queue overflows {}, SRQ low {}",
                 e("tx_packets"),
                 human_bytes(e("tx_bytes")),
                 e("rx_packets"),
@@ -342,7 +343,10 @@ pub fn render(s: &Status) -> String {
                 e("tx_backpressure") + e("tx_no_connection") + e("tx_oversize"),
                 e("tx_backpressure"),
                 e("tx_no_connection"),
-                e("tx_oversize")
+                e("tx_oversize"),
+                e("send_errors"),
+                e("tx_congested"),
+                cm.srq_low_events
             );
             for p in &cm.peers {
                 let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);

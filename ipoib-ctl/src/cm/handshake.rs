@@ -194,13 +194,14 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Resolves when the peer is gone: its end of the control stream closed or broke.
+    /// Resolves when the peer is gone: its end of the control stream closed or broke. Sends
+    /// no keepalive (test peers use it); `attach` uses [`Connection::watch`].
     pub async fn closed(&mut self) {
         let mut b = [0u8; 64];
         loop {
             match self.ctl.read(&mut b).await {
                 Ok(0) | Err(_) => return,
-                Ok(_) => {} // nothing is sent after RTU; ignore stray bytes
+                Ok(_) => {} // keepalive bytes (see `watch`): not looked at here
             }
         }
     }
