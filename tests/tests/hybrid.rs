@@ -701,6 +701,44 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
         on_ud >= PEERS - K as usize,
         "{on_ud} of {PEERS} peers on UD with a plan of {K}"
     );
+
+    // The cap changed on the running loop: raised to 3, A connects every peer itself (they
+    // are in backoff, which takes a connection set up to them); lowered to 1 again, A closes
+    // the two least recently active.
+    let held_now = || read_status(&a.iface).map_or(0, |s| s.connections);
+    let wait_held = |want: usize, within: Duration| {
+        let t = Instant::now();
+        while held_now() != want && t.elapsed() < within {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        held_now()
+    };
+    let set = |n: u32| {
+        let out = a
+            .ctl(&["set-policy", &a.iface, &format!("max-connections={n}")])
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    set(3);
+    let t = Instant::now();
+    let raised = wait_held(3, Duration::from_secs(20));
+    eprintln!(
+        "max-connections=3: A holds {raised} after {:.1?}",
+        t.elapsed()
+    );
+    assert_eq!(raised, 3, "{:#}", a.status().unwrap()["cm"]);
+    set(1);
+    let t = Instant::now();
+    let lowered = wait_held(1, Duration::from_secs(10));
+    eprintln!(
+        "max-connections=1: A holds {lowered} after {:.1?}",
+        t.elapsed()
+    );
+    assert_eq!(lowered, 1, "{:#}", a.status().unwrap()["cm"]);
     for s in streams {
         let sent = s.finish();
         assert!(sent > 1 << 20, "{sent} bytes");
