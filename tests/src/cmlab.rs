@@ -415,6 +415,29 @@ pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'sta
 }
 
 /// Whether RDMA tests must run (`cargo xtask vm-test` sets IPOIB_REQUIRE_RDMA=1).
+/// `ip link set DEV STATE` (up, down) in this network namespace.
+pub fn set_link(dev: &str, state: &str) -> Result<()> {
+    let out = Command::new("ip")
+        .args(["link", "set", dev, state])
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "ip link set {dev} {state}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Brings a link back up when dropped, however a test or the demo that took it down ends.
+pub struct LinkUp(pub String);
+
+impl Drop for LinkUp {
+    fn drop(&mut self) {
+        let _ = set_link(&self.0, "up");
+    }
+}
+
 /// The netdev under an RDMA device: soft-RoCE's `parent` attribute, or a real HCA's
 /// `device/net`.
 pub fn rdma_netdev(dev: &str) -> Option<String> {

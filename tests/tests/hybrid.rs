@@ -24,7 +24,7 @@ use std::{
 
 use ipoib_ctl::connmgr::read_status;
 use ipoib_tests::{
-    cmlab::{COUNTED, device, in_netns, rdma_netdev, rdma_resources, settle},
+    cmlab::{COUNTED, LinkUp, device, in_netns, rdma_netdev, rdma_resources, set_link, settle},
     lab::{Lab, Node, Which, json_u64 as u, lab_unavailable},
 };
 
@@ -167,6 +167,20 @@ impl SmallUdp {
     fn finish(self) -> (u64, u64) {
         let sent = self.sender.join().expect("UDP sender");
         (sent, self.receiver.join().expect("UDP receiver"))
+    }
+}
+
+/// Polls `done` every 100 ms until it holds or `within` has passed; whether it held.
+fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    loop {
+        if done() {
+            return true;
+        }
+        if t.elapsed() >= within {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -391,7 +405,6 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
     // device goes. Then everything: QPs back to where they were.
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert!(out.status.success());
-    let t = Instant::now();
     let tun_gone = || {
         !a.cmd("ip")
             .args(["link", "show", &tun_a])
@@ -400,14 +413,11 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
             .status
             .success()
     };
-    while !tun_gone() && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until(Duration::from_secs(10), tun_gone);
     assert!(tun_gone(), "{tun_a} outlived A's control loop");
-    let t = Instant::now();
-    while b.status().unwrap()["cm"]["connections"] != 0 && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(Duration::from_secs(10), || {
+        b.status().unwrap()["cm"]["connections"] == 0
+    });
     assert_eq!(
         b.status().unwrap()["cm"]["connections"],
         0,
@@ -462,16 +472,6 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
     settle(&dev, &baseline, COUNTED);
 }
 
-/// Brings the soft-RoCE device's netdev back up however the test ends.
-struct LinkUp(&'static str);
-impl Drop for LinkUp {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["link", "set", self.0, "up"])
-            .output();
-    }
-}
-
 /// The RC path fails under the flow while both control loops live: the link under the RDMA
 /// device goes down, A's sends exhaust their retries and complete in error, the engine reports
 /// the QP error, A marks B UD and backs off; the stream goes on over UD, intact. The link back,
@@ -496,12 +496,8 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
     a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
         .expect("promoted");
 
-    let guard = LinkUp("rxev0");
-    let out = std::process::Command::new("ip")
-        .args(["link", "set", "rxev0", "down"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let guard = LinkUp("rxev0".into());
+    set_link("rxev0", "down").unwrap();
     let t = Instant::now();
     let fell = a
         .wait_peer_mode(&b_ip, "ud", Duration::from_secs(15))
@@ -707,10 +703,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
     // the two least recently active.
     let held_now = || read_status(&a.iface).map_or(0, |s| s.connections);
     let wait_held = |want: usize, within: Duration| {
-        let t = Instant::now();
-        while held_now() != want && t.elapsed() < within {
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait_until(within, || held_now() == want);
         held_now()
     };
     let set = |n: u32| {
@@ -840,10 +833,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm() {
     assert!(out.status.success());
     a.wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
         .expect("mode=datagram drained B");
-    let t = Instant::now();
-    while flows() != Some(0) && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(Duration::from_secs(10), || flows() == Some(0));
     assert_eq!(flows(), Some(0), "the closed connection's flow lingers");
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
@@ -929,9 +919,9 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains() {
     let on_cm = not_up(&a.status().unwrap());
     let engine = |k: &str| read_status(&a.iface).and_then(|s| s.engine.get(k).copied());
     let t = Instant::now();
-    while engine("tx_congested").unwrap_or(0) == 0 && t.elapsed() < Duration::from_secs(40) {
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(Duration::from_secs(40), || {
+        engine("tx_congested").unwrap_or(0) > 0
+    });
     let congested = engine("tx_congested").unwrap_or(0);
     let cm = a.status().unwrap()["cm"].clone();
     assert!(

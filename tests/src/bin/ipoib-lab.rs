@@ -16,7 +16,10 @@ use ipoib_ctl::{
     signals::{self, stop_requested},
     status,
 };
-use ipoib_tests::lab::{Lab, Node, Which, ctl_path, lab_unavailable, ping_summary};
+use ipoib_tests::{
+    cmlab::{LinkUp, rdma_netdev, set_link},
+    lab::{Lab, Node, Which, ctl_path, lab_unavailable, ping_summary},
+};
 
 #[derive(Parser)]
 #[command(about = "Run the IPoIB hybrid datapath: on a real IPoIB interface, or in a two-node lab")]
@@ -99,21 +102,12 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
     lab.attach(Which::A, &[])?;
     lab.attach(Which::B, &[])?;
     let (a, b) = (lab.a.clone(), lab.b.clone());
-    let b_ip = b.ip4.to_string();
     println!(
         "attached ipoib-ctl to {} ({}) and {} ({})\n",
         a.iface, a.ip4, b.iface, b.ip4
     );
 
-    let out = a
-        .cmd("ping")
-        .args(["-n", "-q", "-c", "10", "-i", "0.1", &b_ip])
-        .output()?;
-    let (sent, got) = ping_summary(&String::from_utf8_lossy(&out.stdout)).unwrap_or((0, 0));
-    println!(
-        "ping {} -> {}: {got}/{sent} replies (small packets: UD)",
-        a.ip4, b.ip4
-    );
+    ping(&a, &b)?;
     if stop_requested() {
         return Ok(());
     }
@@ -138,6 +132,39 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
         a.cm_iface.as_deref().unwrap_or("?"),
         args.duration
     );
+    let (server, mut client) = iperf(&a, &b, args.duration, "g")?;
+    let start = Instant::now();
+    while client.try_wait()?.is_none() && !stop_requested() {
+        sleep_unless_stopped(Duration::from_secs(2));
+        println!("=== {:.0} s", start.elapsed().as_secs_f64());
+        show("node A", &a);
+    }
+    finish(client, server, "iperf3", &a, &b, args.json)
+}
+
+/// Ten pings from A to B (small packets: UD), and how many came back.
+fn ping(a: &Node, b: &Node) -> Result<()> {
+    let out = a
+        .cmd("ping")
+        .args(["-n", "-q", "-c", "10", "-i", "0.1", &b.ip4.to_string()])
+        .output()?;
+    let (sent, got) = ping_summary(&String::from_utf8_lossy(&out.stdout)).unwrap_or((0, 0));
+    println!(
+        "ping {} -> {}: {got}/{sent} replies (small packets: UD)",
+        a.ip4, b.ip4
+    );
+    Ok(())
+}
+
+/// An iperf3 server on B (one test) and a client on A sending for `secs` seconds, reporting in
+/// `unit` (iperf3 -f); [`finish`] ends them.
+fn iperf(
+    a: &Node,
+    b: &Node,
+    secs: u32,
+    unit: &str,
+) -> Result<(std::process::Child, std::process::Child)> {
+    let b_ip = b.ip4.to_string();
     let server = b
         .cmd("iperf3")
         .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
@@ -146,7 +173,7 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
         .spawn()
         .context("iperf3 server (cargo xtask provision installs iperf3)")?;
     std::thread::sleep(Duration::from_millis(300));
-    let mut client = a
+    let client = a
         .cmd("iperf3")
         .args([
             "-c",
@@ -154,19 +181,13 @@ fn run_demo(lab: &mut Lab, args: &Args) -> Result<()> {
             "-p",
             "5201",
             "-t",
-            &args.duration.to_string(),
+            &secs.to_string(),
             "-f",
-            "g",
+            unit,
         ])
         .stdout(Stdio::piped())
         .spawn()?;
-    let start = Instant::now();
-    while client.try_wait()?.is_none() && !stop_requested() {
-        sleep_unless_stopped(Duration::from_secs(2));
-        println!("=== {:.0} s", start.elapsed().as_secs_f64());
-        show("node A", &a);
-    }
-    finish(client, server, "iperf3", &a, &b, args.json)
+    Ok((server, client))
 }
 
 /// Ends the iperf3 pair, prints its result and the final status of both nodes (and JSON).
@@ -234,28 +255,6 @@ fn live_line(t: f64, a: &Node, b: &Node) {
     }
 }
 
-/// The demo with connected mode for real (soft-RoCE): ping on UD, a bulk TCP flow promoted to
-fn link(dev: &str, state: &str) -> Result<()> {
-    let out = Command::new("ip")
-        .args(["link", "set", dev, state])
-        .output()?;
-    if !out.status.success() {
-        bail!(
-            "ip link set {dev} {state}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(())
-}
-
-/// Brings a link back up however the demo ends.
-struct LinkUp(String);
-impl Drop for LinkUp {
-    fn drop(&mut self) {
-        let _ = link(&self.0, "up");
-    }
-}
-
 /// CM, then two faults under the flow, each survived on UD and followed by the return to CM:
 /// the RC path fails (the link under the soft-RoCE device down: A's sends exhaust their
 /// retries and its QP errors), and B's control loop is killed (its QPs die with it).
@@ -263,23 +262,15 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
     lab.attach(Which::A, &["--cm-device", dev])?;
     let mut pid_b = lab.attach(Which::B, &["--cm-device", dev])?;
     let (a, b) = (lab.a.clone(), lab.b.clone());
-    let b_ip = b.ip4.to_string();
     println!(
         "attached ipoib-ctl with connected mode on {dev} to {} ({}) and {} ({})\n",
         a.iface, a.ip4, b.iface, b.ip4
     );
-    let out = a
-        .cmd("ping")
-        .args(["-n", "-q", "-c", "10", "-i", "0.1", &b_ip])
-        .output()?;
-    let (sent, got) = ping_summary(&String::from_utf8_lossy(&out.stdout)).unwrap_or((0, 0));
-    println!(
-        "ping {} -> {}: {got}/{sent} replies (small packets: UD)\n",
-        a.ip4, b.ip4
-    );
+    ping(&a, &b)?;
+    println!();
     let secs = args.duration.max(30);
     // Only the lab's own soft-RoCE link is taken down, never a real HCA's.
-    let rc_link = ipoib_tests::cmlab::rdma_netdev(dev).filter(|n| n == "rxev0");
+    let rc_link = rdma_netdev(dev).filter(|n| n == "rxev0");
     let at = |pct: u32| f64::from(secs * pct / 100);
     match &rc_link {
         Some(l) => println!(
@@ -297,28 +288,7 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
             at(70)
         ),
     }
-    let server = b
-        .cmd("iperf3")
-        .args(["-s", "-1", "-B", &b_ip, "-p", "5201"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("iperf3 server (cargo xtask provision installs iperf3)")?;
-    std::thread::sleep(Duration::from_millis(300));
-    let mut client = a
-        .cmd("iperf3")
-        .args([
-            "-c",
-            &b_ip,
-            "-p",
-            "5201",
-            "-t",
-            &secs.to_string(),
-            "-f",
-            "m",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()?;
+    let (server, mut client) = iperf(&a, &b, secs, "m")?;
     let start = Instant::now();
     let (mut killed, mut restarted) = (false, false);
     let mut link_guard: Option<LinkUp> = None;
@@ -329,7 +299,7 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
         live_line(t, &a, &b);
         if let Some(l) = rc_link.as_ref().filter(|_| !link_failed && t >= at(25)) {
             link_guard = Some(LinkUp(l.clone()));
-            link(l, "down")?;
+            set_link(l, "down")?;
             link_failed = true;
             println!(
                 "        FAULT: the RC path fails ({l}, the link under {dev}, down): A's sends run out of retries and its QP errors"
