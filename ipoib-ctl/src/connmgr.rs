@@ -204,7 +204,17 @@ impl Drop for CmHandle {
 }
 
 fn ip_cmd(dev: &str, args: &[&str]) -> Result<(), CmError> {
-    let out = std::process::Command::new("ip").args(args).output()?;
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => CmError::Ip {
+                dev: dev.into(),
+                cmd: format!("ip {}", args.join(" ")),
+                stderr: "`ip` is not installed (Debian package iproute2)".into(),
+            },
+            _ => e.into(),
+        })?;
     if out.status.success() {
         Ok(())
     } else {

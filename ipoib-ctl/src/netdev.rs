@@ -169,7 +169,11 @@ fn parse_ip_output(
     let cmd = format!("ip -j {}", args.join(" "));
     let out = out.map_err(|e| NetdevError::Ip {
         cmd: cmd.clone(),
-        stderr: e.to_string(),
+        stderr: if e.kind() == io::ErrorKind::NotFound {
+            "`ip` is not installed (Debian package iproute2)".into()
+        } else {
+            e.to_string()
+        },
     })?;
     if !out.status.success() {
         return Err(NetdevError::Ip {

@@ -188,10 +188,7 @@ pub fn pattern(conn: u32, len: usize) -> Vec<u8> {
 
 /// `rdma resource show` counts for `dev` (pd, cq, qp, mr, srq, ...).
 pub fn rdma_resources(dev: &str) -> HashMap<String, u64> {
-    let out = std::process::Command::new("rdma")
-        .args(["resource", "show"])
-        .output()
-        .expect("rdma resource show");
+    let out = sh(&["rdma", "resource", "show"]);
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()
@@ -204,11 +201,11 @@ pub fn rdma_resources(dev: &str) -> HashMap<String, u64> {
         .collect()
 }
 
+/// Runs a command to completion; a program that is not installed fails the test naming its
+/// package.
 fn sh(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect(args[0])
+    crate::programs::output(Command::new(args[0]).args(&args[1..]))
+        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
@@ -262,7 +259,7 @@ pub fn rxe_device() -> Option<String> {
 
 /// Runs a command that must succeed.
 pub fn run(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    let out = sh(args);
     assert!(
         out.status.success(),
         "{args:?}: {}",

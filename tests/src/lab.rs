@@ -60,10 +60,7 @@ pub fn sibling_exe(name: &str) -> PathBuf {
 }
 
 fn run(cmd: &mut Command) -> Result<Output> {
-    let out = cmd
-        .output()
-        .with_context(|| format!("could not run {cmd:?}"))?;
-    Ok(out)
+    crate::programs::output(cmd).with_context(|| format!("running {cmd:?}"))
 }
 
 fn must(cmd: &mut Command) -> Result<String> {
@@ -84,7 +81,13 @@ fn ip(args: &[&str]) -> Result<String> {
 
 impl Node {
     /// A command run inside this node's network namespace (and only that namespace).
+    ///
+    /// Panics, naming the Debian package, when `program` is not installed: nsenter would
+    /// otherwise fail later with a bare exit status 127.
     pub fn cmd(&self, program: &str) -> Command {
+        if let Err(e) = crate::programs::require(program) {
+            panic!("{e:#}");
+        }
         let mut c = Command::new("nsenter");
         c.arg(format!("--net=/run/netns/{}", self.ns))
             .arg("--")
@@ -392,8 +395,8 @@ pub fn lab_unavailable() -> Option<String> {
         return Some("the lab needs root (network namespaces, BPF)".into());
     }
     for tool in ["ip", "nsenter", "ping"] {
-        if Command::new(tool).arg("-V").output().is_err() {
-            return Some(format!("`{tool}` is not installed (cargo xtask provision)"));
+        if let Err(e) = crate::programs::require(tool) {
+            return Some(e.to_string());
         }
     }
     None

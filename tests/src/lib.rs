@@ -4,6 +4,7 @@
 pub mod cmlab;
 pub mod lab;
 pub mod perftest;
+pub mod programs;
 
 use std::net::IpAddr;
 

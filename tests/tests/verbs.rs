@@ -15,10 +15,8 @@ fn required() -> bool {
 }
 
 fn sh(args: &[&str]) -> std::process::Output {
-    Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect(args[0])
+    ipoib_tests::programs::output(Command::new(args[0]).args(&args[1..]))
+        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// `key: value` lines of `ibv_devinfo -v`, device part and port 1 part.

@@ -13,25 +13,19 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{StatusOk as _, is_root};
+use crate::{
+    StatusOk as _, is_root,
+    programs::{self, PROGRAMS, Program, Source, on_path},
+};
 
 #[derive(Default, Clone, Copy)]
 pub struct Scope {
     pub vm: bool,
 }
 
-/// Debian packages the host-side tests and the lab need, with why.
-const BASE_PACKAGES: &[(&str, &str)] = &[
-    (
-        "bpftool",
-        "inspect programs and maps; the BTF field-name test",
-    ),
-    (
-        "iproute2",
-        "network namespaces, veth pairs and tc for the lab",
-    ),
-    ("iperf3", "a real bulk TCP flow in the lab"),
-    ("iputils-ping", "ping in the lab and its tests"),
+/// Debian packages that are no program our sources run: build dependencies, and what the
+/// programs in [`PROGRAMS`] need beside them. Checked with dpkg.
+const BUILD_PACKAGES: &[(&str, &str)] = &[
     // ipoib-ctl's verbs module builds ibverbs-sys (cmake on its bundled rdma-core, bindgen)
     // and links libibverbs.
     (
@@ -46,20 +40,14 @@ const BASE_PACKAGES: &[(&str, &str)] = &[
     ("clang", "bindgen in ibverbs-sys"),
 ];
 
-/// What the soft-RoCE VM needs on top.
+/// What the soft-RoCE VM needs beside its programs.
 const VM_PACKAGES: &[(&str, &str)] = &[
-    ("qemu-system-x86", "boots the VM"),
     (
         "linux-image-amd64",
         "Debian's 6.1 kernel with rdma_rxe, the VM's kernel",
     ),
     ("rdma-core", "soft-RoCE (rxe) userspace"),
     ("ibverbs-providers", "the rxe verbs provider"),
-    ("ibverbs-utils", "ibv_devinfo, to check discovery against"),
-    ("iproute2", "`rdma link add` creates the rxe device"),
-    ("perftest", "ib_send_bw, the throughput baseline"),
-    ("busybox-static", "a static init-time toolbox inside the VM"),
-    ("nftables", "blocks the handshake port in the fault tests"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -68,13 +56,39 @@ pub fn run(scope: Scope) -> Result<()> {
     let mut did = Vec::new();
     nightly_rust_src(&mut did)?;
     bpf_linker(&mut did)?;
-    let mut pkgs: Vec<_> = BASE_PACKAGES.to_vec();
+    let mut pkgs: Vec<_> = BUILD_PACKAGES.to_vec();
     if scope.vm {
         pkgs.extend_from_slice(VM_PACKAGES);
+    }
+    let wanted: Vec<&Program> = PROGRAMS
+        .iter()
+        .filter(|p| scope.vm || p.scope == programs::Scope::Host)
+        .collect();
+    for p in &wanted {
+        if let Source::Debian(pkg) = p.source
+            && on_path(p.name).is_none()
+            && !pkgs.iter().any(|(q, _)| *q == pkg)
+        {
+            pkgs.push((pkg, p.why));
+        }
     }
     debian_packages(&pkgs, &mut did)?;
     if scope.vm {
         virtme_ng(&mut did)?;
+    }
+    // Every program, looked up as the code will run it: a package that installed but left the
+    // program off PATH is a failure here, not a panic in a test later.
+    let absent: Vec<String> = wanted
+        .iter()
+        .filter(|p| on_path(p.name).is_none())
+        .map(|p| programs::missing_message(p.name))
+        .collect();
+    if !absent.is_empty() {
+        bail!(
+            "after provisioning, still not on PATH ({}):\n  {}",
+            std::env::var("PATH").unwrap_or_default(),
+            absent.join("\n  ")
+        );
     }
     if did.is_empty() {
         println!("provision: everything already present");
@@ -238,9 +252,17 @@ fn virtme_ng(did: &mut Vec<String>) -> Result<()> {
     if output(Command::new("vng").arg("--version")).is_some() {
         return Ok(());
     }
-    println!("provision: virtme-ng from PyPI: boots Debian's kernel with the host's filesystem");
+    let Some(Program {
+        source: Source::Pypi(spec),
+        why,
+        ..
+    }) = programs::program("vng")
+    else {
+        bail!("the program table has no PyPI row for vng");
+    };
+    println!("provision: {spec} from PyPI: {why}");
     Command::new("python3")
-        .args(["-m", "pip", "install", "-q", "virtme-ng==1.42"])
+        .args(["-m", "pip", "install", "-q", spec])
         .status_ok("pip install virtme-ng")?;
     did.push("virtme-ng".into());
     Ok(())
