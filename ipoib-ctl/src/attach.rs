@@ -249,71 +249,13 @@ fn fresh_attach(
     if let Some(c) = change {
         apply_peer_pins(&mut dp.maps, c)?;
     }
-
-    let iface = dev.name.as_str();
-    let prog_err = |what| {
-        move |source| AttachError::Program {
-            what,
-            iface: iface.to_string(),
-            source,
-        }
-    };
-
-    // Egress: TCX where the kernel has it (>= 6.6), a clsact filter otherwise.
-    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
-    let egress: &mut SchedClassifier = dp.egress()?;
-    egress
-        .pin(dir.join(PROG_EGRESS))
-        .map_err(|e| AttachError::Bpffs(e.to_string()))?;
-    if !tcx && let Err(e) = tc::qdisc_add_clsact(iface) {
-        let exists =
-            matches!(&e, TcError::NetlinkError(n) if n.raw_os_error() == Some(libc::EEXIST));
-        if !exists {
-            return Err(AttachError::Tc {
-                iface: iface.to_string(),
-                source: e,
-            });
-        }
-    }
-    let id = egress
-        .attach(iface, TcAttachType::Egress)
-        .map_err(prog_err("ipoib_egress"))?;
-    let link = egress.take_link(id).map_err(prog_err("ipoib_egress"))?;
-    let egress_kind = match FdLink::try_from(link) {
-        Ok(fd) => {
-            fd.pin(dir.join(LINK_EGRESS))
-                .map_err(|e| AttachError::Bpffs(e.to_string()))?;
-            EgressAttach::Tcx
-        }
-        Err(_) => EgressAttach::Netlink,
-    };
-    // A netlink filter has no link to pin: it stays attached because we drop no link for it
-    // (the conversion above consumed and released the handle without detaching).
-
-    // Ingress: generic XDP on ipoib (no native XDP there); native where the driver has it.
-    let ingress: &mut Xdp = dp.ingress()?;
-    ingress
-        .pin(dir.join(PROG_INGRESS))
-        .map_err(|e| AttachError::Bpffs(e.to_string()))?;
-    let (id, mode) = if dev.is_ipoib() {
-        (ingress.attach(iface, XdpMode::Skb), "generic")
-    } else {
-        match ingress.attach(iface, XdpMode::Driver) {
-            Ok(id) => (Ok(id), "driver"),
-            Err(_) => (ingress.attach(iface, XdpMode::Skb), "generic"),
-        }
-    };
-    let id = id.map_err(prog_err("ipoib_ingress"))?;
-    let link = ingress.take_link(id).map_err(prog_err("ipoib_ingress"))?;
-    let fd = FdLink::try_from(link).map_err(|e| AttachError::Bpffs(e.to_string()))?;
-    fd.pin(dir.join(LINK_INGRESS))
-        .map_err(|e| AttachError::Bpffs(e.to_string()))?;
-
+    let egress = attach_egress(&mut dp, dev, dir)?;
+    let xdp_mode = attach_ingress(&mut dp, dev, dir)?;
     let state = AttachState {
-        iface: iface.to_string(),
+        iface: dev.name.clone(),
         ifindex: dev.ifindex,
-        egress: egress_kind,
-        xdp_mode: mode.to_string(),
+        egress,
+        xdp_mode: xdp_mode.to_string(),
         memory_budget: change.and_then(|c| c.memory_budget),
         max_connections: change.and_then(|c| c.max_connections),
         loop_pid: None,
@@ -328,6 +270,78 @@ fn fresh_attach(
         adopted: false,
         datapath: Some(dp),
     })
+}
+
+fn prog_err<'a>(
+    what: &'static str,
+    iface: &'a str,
+) -> impl FnOnce(ProgramError) -> AttachError + 'a {
+    move |source| AttachError::Program {
+        what,
+        iface: iface.to_string(),
+        source,
+    }
+}
+
+fn bpffs_err(e: impl std::fmt::Display) -> AttachError {
+    AttachError::Bpffs(e.to_string())
+}
+
+/// Egress: TCX where the kernel has it (>= 6.6), a clsact filter otherwise; the program and
+/// (TCX) its link pinned under `dir`.
+fn attach_egress(dp: &mut Datapath, dev: &Netdev, dir: &Path) -> Result<EgressAttach> {
+    let iface = dev.name.as_str();
+    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+    let egress: &mut SchedClassifier = dp.egress()?;
+    egress.pin(dir.join(PROG_EGRESS)).map_err(bpffs_err)?;
+    if !tcx && let Err(e) = tc::qdisc_add_clsact(iface) {
+        let exists =
+            matches!(&e, TcError::NetlinkError(n) if n.raw_os_error() == Some(libc::EEXIST));
+        if !exists {
+            return Err(AttachError::Tc {
+                iface: iface.to_string(),
+                source: e,
+            });
+        }
+    }
+    let id = egress
+        .attach(iface, TcAttachType::Egress)
+        .map_err(prog_err("ipoib_egress", iface))?;
+    let link = egress
+        .take_link(id)
+        .map_err(prog_err("ipoib_egress", iface))?;
+    // A netlink filter has no link to pin: it stays attached because we drop no link for it
+    // (the conversion consumes and releases the handle without detaching).
+    match FdLink::try_from(link) {
+        Ok(fd) => {
+            fd.pin(dir.join(LINK_EGRESS)).map_err(bpffs_err)?;
+            Ok(EgressAttach::Tcx)
+        }
+        Err(_) => Ok(EgressAttach::Netlink),
+    }
+}
+
+/// Ingress: generic XDP on ipoib (no native XDP there); native where the driver has it.
+/// Returns the XDP mode.
+fn attach_ingress(dp: &mut Datapath, dev: &Netdev, dir: &Path) -> Result<&'static str> {
+    let iface = dev.name.as_str();
+    let ingress: &mut Xdp = dp.ingress()?;
+    ingress.pin(dir.join(PROG_INGRESS)).map_err(bpffs_err)?;
+    let (id, mode) = if dev.is_ipoib() {
+        (ingress.attach(iface, XdpMode::Skb), "generic")
+    } else {
+        match ingress.attach(iface, XdpMode::Driver) {
+            Ok(id) => (Ok(id), "driver"),
+            Err(_) => (ingress.attach(iface, XdpMode::Skb), "generic"),
+        }
+    };
+    let id = id.map_err(prog_err("ipoib_ingress", iface))?;
+    let link = ingress
+        .take_link(id)
+        .map_err(prog_err("ipoib_ingress", iface))?;
+    let fd = FdLink::try_from(link).map_err(bpffs_err)?;
+    fd.pin(dir.join(LINK_INGRESS)).map_err(bpffs_err)?;
+    Ok(mode)
 }
 
 fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {

@@ -127,66 +127,73 @@ pub fn plan(hca: &HcaLimits, system_memory: u64, policy_budget: Option<u64>) -> 
     } else {
         (sges * PAGE_SIZE).saturating_sub(0x10)
     };
-    let buffer_cost = pages(buffer_bytes).max(PAGE_SIZE);
-    let qps = hca.max_qp.saturating_sub(QP_RESERVE);
     let mut p = Plan {
         kind: PlanKind::UdOnly,
         budget_bytes,
         budget_source,
         buffer_bytes,
-        buffer_cost,
+        buffer_cost: pages(buffer_bytes).max(PAGE_SIZE),
         cm_mtu: buffer_bytes.saturating_sub(4),
         ring: 0,
         max_cm_peers: 0,
         memory_bytes: 0,
         why: String::new(),
     };
+    let qps = hca.max_qp.saturating_sub(QP_RESERVE);
     if qps == 0 || buffer_bytes <= 4 {
         p.why = "the HCA has no RC queue pairs or receive SGEs to spare: UD only".into();
-        return p;
-    }
-    if hca.max_srq > 0 {
-        let fit = budget_bytes / buffer_cost;
-        let depth = pow2_floor(
-            fit.min(hca.max_srq_wr)
-                .min(hca.max_cqe.saturating_sub(1))
-                .min(MAX_SRQ_DEPTH),
-        );
-        if depth < MIN_SRQ_DEPTH {
-            p.why = format!(
-                "the budget holds {fit} buffers of {} KiB, fewer than the {MIN_SRQ_DEPTH} an SRQ needs: UD only",
-                buffer_cost >> 10
-            );
-            return p;
-        }
-        p.kind = PlanKind::Srq;
-        p.ring = depth;
-        p.max_cm_peers = qps;
-        p.memory_bytes = depth * buffer_cost;
-        p.why = format!(
-            "one SRQ of {depth} buffers shared by up to {qps} connections: memory does not grow with peers"
-        );
+    } else if hca.max_srq > 0 {
+        plan_srq(&mut p, hca, qps);
     } else {
-        let ring = RING_PER_CONNECTION.min(hca.max_qp_wr);
-        let per_conn = ring * buffer_cost;
-        let k = (budget_bytes / per_conn.max(1)).min(qps);
-        if k == 0 || ring == 0 {
-            p.why = format!(
-                "no SRQ, and one connection's ring ({} MiB) does not fit the budget: UD only",
-                per_conn >> 20
-            );
-            return p;
-        }
-        p.kind = PlanKind::PerConnection;
-        p.ring = ring;
-        p.max_cm_peers = k;
-        p.memory_bytes = k * per_conn;
-        p.why = format!(
-            "no SRQ: a {ring}-buffer ring per connection ({} MiB), at most {k} CM peers; every other peer uses UD",
-            per_conn >> 20
-        );
+        plan_rings(&mut p, hca, qps);
     }
     p
+}
+
+/// With an SRQ: one, as deep as the budget allows (a power of two within the HCA's limits).
+fn plan_srq(p: &mut Plan, hca: &HcaLimits, qps: u64) {
+    let fit = p.budget_bytes / p.buffer_cost;
+    let depth = pow2_floor(
+        fit.min(hca.max_srq_wr)
+            .min(hca.max_cqe.saturating_sub(1))
+            .min(MAX_SRQ_DEPTH),
+    );
+    if depth < MIN_SRQ_DEPTH {
+        p.why = format!(
+            "the budget holds {fit} buffers of {} KiB, fewer than the {MIN_SRQ_DEPTH} an SRQ needs: UD only",
+            p.buffer_cost >> 10
+        );
+        return;
+    }
+    p.kind = PlanKind::Srq;
+    p.ring = depth;
+    p.max_cm_peers = qps;
+    p.memory_bytes = depth * p.buffer_cost;
+    p.why = format!(
+        "one SRQ of {depth} buffers shared by up to {qps} connections: memory does not grow with peers"
+    );
+}
+
+/// Without an SRQ: a ring per connection, and as many connections as the budget holds.
+fn plan_rings(p: &mut Plan, hca: &HcaLimits, qps: u64) {
+    let ring = RING_PER_CONNECTION.min(hca.max_qp_wr);
+    let per_conn = ring * p.buffer_cost;
+    let k = (p.budget_bytes / per_conn.max(1)).min(qps);
+    if k == 0 || ring == 0 {
+        p.why = format!(
+            "no SRQ, and one connection's ring ({} MiB) does not fit the budget: UD only",
+            per_conn >> 20
+        );
+        return;
+    }
+    p.kind = PlanKind::PerConnection;
+    p.ring = ring;
+    p.max_cm_peers = k;
+    p.memory_bytes = k * per_conn;
+    p.why = format!(
+        "no SRQ: a {ring}-buffer ring per connection ({} MiB), at most {k} CM peers; every other peer uses UD",
+        per_conn >> 20
+    );
 }
 
 /// The kernel's receive memory for `peers` CM peers (the comparison in `caps`).

@@ -232,6 +232,50 @@ fn set_once<T: PartialEq + fmt::Debug>(
     Ok(())
 }
 
+fn parse_mode(value: &str) -> Result<Mode, PolicyError> {
+    match value {
+        "auto" => Ok(Mode::Auto),
+        "datagram" => Ok(Mode::Datagram),
+        "connected" => Ok(Mode::Connected),
+        _ => Err(invalid("mode", value, "auto, datagram or connected")),
+    }
+}
+
+fn parse_on_off(value: &str) -> Result<bool, PolicyError> {
+    match value {
+        "on" | "yes" | "true" | "1" => Ok(true),
+        "off" | "no" | "false" | "0" => Ok(false),
+        _ => Err(invalid("kernel-cm", value, "on or off")),
+    }
+}
+
+fn parse_cm_threshold(value: &str) -> Result<u32, PolicyError> {
+    parse_size(value)
+        .filter(|n| (CM_THRESHOLD_MIN as u64..=CM_THRESHOLD_MAX as u64).contains(n))
+        .map(|n| n as u32)
+        .ok_or_else(|| {
+            invalid(
+                "cm-threshold",
+                value,
+                format!("bytes from {CM_THRESHOLD_MIN} to {CM_THRESHOLD_MAX}"),
+            )
+        })
+}
+
+fn parse_max_connections(value: &str) -> Result<u32, PolicyError> {
+    value
+        .parse::<u32>()
+        .ok()
+        .filter(|n| (1..=MAX_CONNECTIONS_MAX).contains(n))
+        .ok_or_else(|| {
+            invalid(
+                "max-connections",
+                value,
+                format!("a count from 1 to {MAX_CONNECTIONS_MAX}"),
+            )
+        })
+}
+
 impl PolicyChange {
     /// Parses `KEY=VALUE` words; nothing is applied here.
     pub fn parse<S: AsRef<str>>(words: &[S]) -> Result<Self, PolicyError> {
@@ -242,95 +286,72 @@ impl PolicyChange {
             let (key, value) = w
                 .split_once('=')
                 .ok_or_else(|| PolicyError::NotKeyValue(w.to_string()))?;
-            let (key, value) = (key.trim(), value.trim());
-            match key {
-                "mode" => {
-                    let m = match value {
-                        "auto" => Mode::Auto,
-                        "datagram" => Mode::Datagram,
-                        "connected" => Mode::Connected,
-                        _ => return Err(invalid("mode", value, "auto, datagram or connected")),
-                    };
-                    set_once(&mut c.mode, key, m, value, &mut seen)?;
-                }
-                "cm-threshold" => {
-                    let n = parse_size(value)
-                        .filter(|n| (CM_THRESHOLD_MIN as u64..=CM_THRESHOLD_MAX as u64).contains(n))
-                        .ok_or_else(|| {
-                            invalid(
-                                "cm-threshold",
-                                value,
-                                format!("bytes from {CM_THRESHOLD_MIN} to {CM_THRESHOLD_MAX}"),
-                            )
-                        })?;
-                    set_once(&mut c.cm_threshold, key, n as u32, value, &mut seen)?;
-                }
-                "heartbeat-timeout" => {
-                    let d = parse_duration(value)
-                        .filter(|d| (HEARTBEAT_MIN..=HEARTBEAT_MAX).contains(d))
-                        .ok_or_else(|| {
-                            invalid("heartbeat-timeout", value, "a duration from 100ms to 1h")
-                        })?;
-                    set_once(&mut c.heartbeat_timeout, key, d, value, &mut seen)?;
-                }
-                "kernel-cm" => {
-                    let b = match value {
-                        "on" | "yes" | "true" | "1" => true,
-                        "off" | "no" | "false" | "0" => false,
-                        _ => return Err(invalid("kernel-cm", value, "on or off")),
-                    };
-                    set_once(&mut c.kernel_cm, key, b, value, &mut seen)?;
-                }
-                "ctl-port" => {
-                    let p = value
-                        .parse::<u16>()
-                        .ok()
-                        .filter(|p| *p != 0)
-                        .ok_or_else(|| invalid("ctl-port", value, "a TCP port from 1 to 65535"))?;
-                    set_once(&mut c.ctl_port, key, p, value, &mut seen)?;
-                }
-                "memory-budget" => {
-                    let b = parse_size(value)
-                        .filter(|b| (MEMORY_BUDGET_MIN..=MEMORY_BUDGET_MAX).contains(b))
-                        .ok_or_else(|| {
-                            invalid("memory-budget", value, "a size from 16MiB to 1TiB")
-                        })?;
-                    set_once(&mut c.memory_budget, key, b, value, &mut seen)?;
-                }
-                "max-connections" => {
-                    let n = value
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|n| (1..=MAX_CONNECTIONS_MAX).contains(n))
-                        .ok_or_else(|| {
-                            invalid(
-                                "max-connections",
-                                value,
-                                format!("a count from 1 to {MAX_CONNECTIONS_MAX}"),
-                            )
-                        })?;
-                    set_once(&mut c.max_connections, key, n, value, &mut seen)?;
-                }
-                "peer" => {
-                    let (ip, pin) = parse_peer(value)?;
-                    if let Some(old) = c.peers.get(&ip)
-                        && *old != pin
-                    {
-                        return Err(PolicyError::Conflict {
-                            key: format!("peer {ip}"),
-                            first: old.to_string(),
-                            second: pin.to_string(),
-                        });
-                    }
-                    c.peers.insert(ip, pin);
-                }
-                _ => return Err(PolicyError::UnknownKey(key.to_string())),
-            }
+            c.take(key.trim(), value.trim(), &mut seen)?;
         }
         if c == PolicyChange::default() {
             return Err(PolicyError::Empty);
         }
         Ok(c)
+    }
+
+    /// One `KEY=VALUE`, validated; a key given twice must say the same thing.
+    fn take(
+        &mut self,
+        key: &str,
+        value: &str,
+        seen: &mut BTreeMap<String, String>,
+    ) -> Result<(), PolicyError> {
+        match key {
+            "mode" => set_once(&mut self.mode, key, parse_mode(value)?, value, seen),
+            "cm-threshold" => {
+                let n = parse_cm_threshold(value)?;
+                set_once(&mut self.cm_threshold, key, n, value, seen)
+            }
+            "heartbeat-timeout" => {
+                let d = parse_duration(value)
+                    .filter(|d| (HEARTBEAT_MIN..=HEARTBEAT_MAX).contains(d))
+                    .ok_or_else(|| {
+                        invalid("heartbeat-timeout", value, "a duration from 100ms to 1h")
+                    })?;
+                set_once(&mut self.heartbeat_timeout, key, d, value, seen)
+            }
+            "kernel-cm" => set_once(&mut self.kernel_cm, key, parse_on_off(value)?, value, seen),
+            "ctl-port" => {
+                let p = value
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| invalid("ctl-port", value, "a TCP port from 1 to 65535"))?;
+                set_once(&mut self.ctl_port, key, p, value, seen)
+            }
+            "memory-budget" => {
+                let b = parse_size(value)
+                    .filter(|b| (MEMORY_BUDGET_MIN..=MEMORY_BUDGET_MAX).contains(b))
+                    .ok_or_else(|| invalid("memory-budget", value, "a size from 16MiB to 1TiB"))?;
+                set_once(&mut self.memory_budget, key, b, value, seen)
+            }
+            "max-connections" => {
+                let n = parse_max_connections(value)?;
+                set_once(&mut self.max_connections, key, n, value, seen)
+            }
+            "peer" => self.take_peer(value),
+            _ => Err(PolicyError::UnknownKey(key.to_string())),
+        }
+    }
+
+    fn take_peer(&mut self, value: &str) -> Result<(), PolicyError> {
+        let (ip, pin) = parse_peer(value)?;
+        if let Some(old) = self.peers.get(&ip)
+            && *old != pin
+        {
+            return Err(PolicyError::Conflict {
+                key: format!("peer {ip}"),
+                first: old.to_string(),
+                second: pin.to_string(),
+            });
+        }
+        self.peers.insert(ip, pin);
+        Ok(())
     }
 
     /// Parses a policy file: `KEY=VALUE` per line, `#` comments, blank lines ignored.

@@ -251,6 +251,14 @@ impl Counts {
     }
 }
 
+/// A peer on UD worth a connection, as [`Promoter::tick`] ranks it.
+struct Candidate<K> {
+    key: K,
+    pinned: bool,
+    rate: f64,
+    may_evict: bool,
+}
+
 /// The decision state of one interface. Times are monotonic nanoseconds.
 pub struct Promoter<K> {
     cfg: Config,
@@ -432,15 +440,22 @@ impl<K: Ord + Clone> Promoter<K> {
 
     /// Applies the rules (module docs) at time `now` and returns what to do.
     pub fn tick(&mut self, now: u64) -> Vec<Action<K>> {
-        let cfg = self.cfg.clone();
-        let mode = self.mode;
         let dt = self.last_tick.map_or(0, |t| now.saturating_sub(t));
         self.last_tick = Some(now);
+        let cfg = &self.cfg;
         self.tokens =
             (self.tokens + cfg.setups_per_sec * dt as f64 / 1e9).min(cfg.setup_burst.max(1.0));
         let mut actions = Vec::new();
+        self.demote(now, &mut actions);
+        self.shed_over_plan(now, &mut actions);
+        let candidates = self.candidates(now);
+        self.promote(now, candidates, &mut actions);
+        actions
+    }
 
-        // 1. Demotions; 2. backoffs that ended.
+    /// 1. Demotions; 2. backoffs that ended.
+    fn demote(&mut self, now: u64, actions: &mut Vec<Action<K>>) {
+        let (cfg, mode) = (&self.cfg, self.mode);
         for (k, p) in self.peers.iter_mut() {
             match p.state {
                 State::Up { since } => {
@@ -467,42 +482,45 @@ impl<K: Ord + Clone> Promoter<K> {
                 _ => {}
             }
         }
+    }
 
-        // The plan shrank: shed the least recently active connections down to it.
+    /// The plan shrank: shed the least recently active connections down to it.
+    fn shed_over_plan(&mut self, now: u64, actions: &mut Vec<Action<K>>) {
         let up = |p: &Peer| matches!(p.state, State::Up { .. } | State::Connecting { .. });
-        let mut excess = self
-            .peers
-            .values()
-            .filter(|p| up(p))
-            .count()
-            .saturating_sub(cfg.max_connections);
-        if excess > 0 {
-            let mut victims: Vec<(Option<u64>, K)> = self
-                .peers
-                .iter()
-                .filter(|(_, p)| matches!(p.state, State::Up { .. }) && p.pin != Pin::Cm)
-                .map(|(k, p)| (p.last_active, k.clone()))
-                .collect();
-            victims.sort();
-            for (_, k) in victims {
-                if excess == 0 {
-                    break;
-                }
-                excess -= 1;
-                let p = self.peers.get_mut(&k).expect("victim");
-                p.state = State::Draining {
-                    since: now,
-                    why: Demotion::OverPlan,
-                };
-                actions.push(Action::Disconnect(k, Demotion::OverPlan));
-            }
+        let held = self.peers.values().filter(|p| up(p)).count();
+        let mut excess = held.saturating_sub(self.cfg.max_connections);
+        if excess == 0 {
+            return;
         }
+        let mut victims: Vec<(Option<u64>, K)> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| matches!(p.state, State::Up { .. }) && p.pin != Pin::Cm)
+            .map(|(k, p)| (p.last_active, k.clone()))
+            .collect();
+        victims.sort();
+        for (_, k) in victims {
+            if excess == 0 {
+                break;
+            }
+            excess -= 1;
+            self.drain(now, &k, Demotion::OverPlan);
+            actions.push(Action::Disconnect(k, Demotion::OverPlan));
+        }
+    }
 
-        // 3. Promotions, best first.
+    fn drain(&mut self, now: u64, key: &K, why: Demotion) {
+        if let Some(p) = self.peers.get_mut(key) {
+            p.state = State::Draining { since: now, why };
+        }
+    }
+
+    /// Rule 3: the peers on UD worth a connection, best first. Every other peer on UD gets
+    /// its reason.
+    fn candidates(&mut self, now: u64) -> Vec<Candidate<K>> {
+        let (cfg, mode) = (&self.cfg, self.mode);
         let idle = ns(cfg.idle_after);
-        // (peer, pinned, rate, may evict): a peer whose last setup failed takes only free
-        // slots, so a peer that never answers cannot churn the others out.
-        let mut candidates: Vec<(&K, bool, f64, bool)> = Vec::new();
+        let mut candidates = Vec::new();
         for (k, p) in self.peers.iter_mut() {
             let State::Ud { hold_until } = p.state else {
                 continue;
@@ -525,15 +543,25 @@ impl<K: Ord + Clone> Promoter<K> {
             } else if cfg.max_connections == 0 {
                 UdWhy::NoPlan
             } else {
-                candidates.push((k, pinned, p.rate, p.failures == 0));
+                // A peer whose last setup failed takes only free slots, so a peer that never
+                // answers cannot churn the others out.
+                candidates.push(Candidate {
+                    key: k.clone(),
+                    pinned,
+                    rate: p.rate,
+                    may_evict: p.failures == 0,
+                });
                 continue;
             };
         }
-        candidates.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)));
-        let candidates: Vec<(K, bool, f64, bool)> = candidates
-            .into_iter()
-            .map(|(k, pinned, r, e)| (k.clone(), pinned, r, e))
-            .collect();
+        candidates.sort_by(|a, b| b.pinned.cmp(&a.pinned).then(b.rate.total_cmp(&a.rate)));
+        candidates
+    }
+
+    /// Connects the candidates while the plan has room and the setup rate allows; 4. makes
+    /// room by eviction when the plan is full.
+    fn promote(&mut self, now: u64, candidates: Vec<Candidate<K>>, actions: &mut Vec<Action<K>>) {
+        let max = self.cfg.max_connections;
         let mut held = self.peers.values().filter(|p| p.holds()).count();
         // Slots on their way back: a candidate waits for one before anything more is evicted.
         let mut freeing = self
@@ -541,28 +569,13 @@ impl<K: Ord + Clone> Promoter<K> {
             .values()
             .filter(|p| matches!(p.state, State::Draining { .. }))
             .count();
-        for (k, pinned, rate, may_evict) in candidates {
-            let why = if held >= cfg.max_connections && (freeing > 0 || !may_evict) {
+        for c in candidates {
+            let why = if held >= max && (freeing > 0 || !c.may_evict) {
                 freeing = freeing.saturating_sub(1);
                 UdWhy::PlanFull
-            } else if held >= cfg.max_connections {
-                // 4. Make room: evict the least recently active connection, if clearly worse.
-                let victim = self
-                    .peers
-                    .iter()
-                    .filter(|(_, v)| {
-                        matches!(v.state, State::Up { since } if now.saturating_sub(since) >= ns(cfg.min_hold))
-                            && v.pin == Pin::Auto
-                            && (pinned || v.rate * 2.0 < rate)
-                    })
-                    .min_by_key(|(_, v)| v.last_active)
-                    .map(|(vk, _)| vk.clone());
-                if let Some(vk) = victim {
-                    let v = self.peers.get_mut(&vk).expect("victim");
-                    v.state = State::Draining {
-                        since: now,
-                        why: Demotion::Evicted,
-                    };
+            } else if held >= max {
+                if let Some(vk) = self.victim(now, c.pinned, c.rate) {
+                    self.drain(now, &vk, Demotion::Evicted);
                     actions.push(Action::Disconnect(vk, Demotion::Evicted));
                 }
                 UdWhy::PlanFull
@@ -571,15 +584,29 @@ impl<K: Ord + Clone> Promoter<K> {
             } else {
                 self.tokens -= 1.0;
                 held += 1;
-                let p = self.peers.get_mut(&k).expect("candidate");
+                let p = self.peers.get_mut(&c.key).expect("candidate");
                 p.state = State::Connecting { since: now };
                 p.promotions += 1;
-                actions.push(Action::Connect(k));
+                actions.push(Action::Connect(c.key));
                 continue;
             };
-            self.peers.get_mut(&k).expect("candidate").why = why;
+            self.peers.get_mut(&c.key).expect("candidate").why = why;
         }
-        actions
+    }
+
+    /// The least recently active connection that may be evicted for a candidate of `rate`
+    /// (or a pinned one): held `min_hold`, not pinned, and less than half as busy.
+    fn victim(&self, now: u64, pinned: bool, rate: f64) -> Option<K> {
+        let hold = ns(self.cfg.min_hold);
+        self.peers
+            .iter()
+            .filter(|(_, v)| {
+                matches!(v.state, State::Up { since } if now.saturating_sub(since) >= hold)
+                    && v.pin == Pin::Auto
+                    && (pinned || v.rate * 2.0 < rate)
+            })
+            .min_by_key(|(_, v)| v.last_active)
+            .map(|(vk, _)| vk.clone())
     }
 
     pub fn explain(&self, key: &K) -> Option<Explain> {

@@ -301,6 +301,16 @@ pub fn render(s: &Status) -> String {
             ""
         }
     );
+    render_reasons(&mut out, s);
+    out.push_str(&render_peers(&s.peers));
+    match &s.cm {
+        None => out.push_str("  connected mode: not running (every peer on UD)\n"),
+        Some(cm) => render_cm(&mut out, cm),
+    }
+    out
+}
+
+fn render_reasons(out: &mut String, s: &Status) {
     let _ = writeln!(out, "  decisions:");
     for (name, c) in &s.reasons {
         if c.packets > 0 {
@@ -315,43 +325,39 @@ pub fn render(s: &Status) -> String {
     if s.reasons.values().all(|c| c.packets == 0) {
         out.push_str("    (no packets yet)\n");
     }
-    out.push_str(&render_peers(&s.peers));
-    match &s.cm {
-        None => out.push_str("  connected mode: not running (every peer on UD)\n"),
-        Some(cm) => {
-            let _ = writeln!(
-                out,
-                "  connected mode: {} via {}, SRQ {} buffers, {} of at most {} connections, \
-                 {} established / {} failed setups",
-                cm.device,
-                cm.tun,
-                cm.srq_depth,
-                cm.connections,
-                cm.max_connections,
-                cm.established,
-                cm.failed
-            );
-            let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
-            let _ = writeln!(
-                out,
-                "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
-                 send errors {}, queue overflows {}, SRQ low {}",
-                e("tx_packets"),
-                human_bytes(e("tx_bytes")),
-                e("rx_packets"),
-                human_bytes(e("rx_bytes")),
-                e("tx_backpressure") + e("tx_no_connection") + e("tx_oversize"),
-                e("tx_backpressure"),
-                e("tx_no_connection"),
-                e("tx_oversize"),
-                e("send_errors"),
-                e("tx_congested"),
-                cm.srq_low_events
-            );
-            for p in &cm.peers {
-                let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);
-            }
-        }
+}
+
+fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
+    let _ = writeln!(
+        out,
+        "  connected mode: {} via {}, SRQ {} buffers, {} of at most {} connections, \
+         {} established / {} failed setups",
+        cm.device,
+        cm.tun,
+        cm.srq_depth,
+        cm.connections,
+        cm.max_connections,
+        cm.established,
+        cm.failed
+    );
+    let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
+    let _ = writeln!(
+        out,
+        "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
+         send errors {}, queue overflows {}, SRQ low {}",
+        e("tx_packets"),
+        human_bytes(e("tx_bytes")),
+        e("rx_packets"),
+        human_bytes(e("rx_bytes")),
+        e("tx_backpressure") + e("tx_no_connection") + e("tx_oversize"),
+        e("tx_backpressure"),
+        e("tx_no_connection"),
+        e("tx_oversize"),
+        e("send_errors"),
+        e("tx_congested"),
+        cm.srq_low_events
+    );
+    for p in &cm.peers {
+        let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);
     }
-    out
 }

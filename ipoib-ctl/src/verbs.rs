@@ -152,77 +152,82 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
     let mut out = Vec::with_capacity(list.1);
     for (dev, name) in list.iter() {
         let ctx = Device::open_raw(dev, name)?;
-        let name = ctx.name().to_string();
-        let q = |what, source| ctx.err(what, source);
-        let mut attr = ffi::ibv_device_attr::default();
-        // SAFETY: valid context and out pointer.
-        let rc = unsafe { ffi::ibv_query_device(ctx.raw(), &mut attr) };
-        if rc != 0 {
-            return Err(q("ibv_query_device", io::Error::from_raw_os_error(rc)));
-        }
-        // SAFETY: fw_ver is a NUL-terminated char array.
-        let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        let guid = u64::from_be(attr.node_guid).to_be_bytes();
-        let node_guid = guid
-            .chunks(2)
-            .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
-            .collect::<Vec<_>>()
-            .join(":");
-        let mut ports = Vec::new();
-        for port in 1..=attr.phys_port_cnt {
-            let mut pa = ffi::ibv_port_attr::default();
-            // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
-            let rc = unsafe { ffi::ibv_query_port(ctx.raw(), port, ptr::addr_of_mut!(pa).cast()) };
-            if rc != 0 {
-                return Err(q("ibv_query_port", io::Error::from_raw_os_error(rc)));
-            }
-            let mut gids = Vec::new();
-            for idx in 0..pa.gid_tbl_len.max(0) {
-                let mut gid = ffi::ibv_gid { raw: [0; 16] };
-                // SAFETY: valid context, index within the table, out pointer.
-                if unsafe { ffi::ibv_query_gid(ctx.raw(), port, idx, &mut gid) } != 0 {
-                    continue;
-                }
-                // SAFETY: raw is the union's plain-bytes view.
-                let raw = unsafe { gid.raw };
-                if raw != [0; 16] {
-                    gids.push(gid_string(&raw));
-                }
-            }
-            ports.push(PortCaps {
-                port,
-                state: port_state(pa.state),
-                active_mtu: mtu_bytes(pa.active_mtu),
-                max_mtu: mtu_bytes(pa.max_mtu),
-                link_layer: match pa.link_layer as u32 {
-                    1 => "InfiniBand".into(),
-                    2 => "Ethernet".into(),
-                    0 => "InfiniBand".into(), // IBV_LINK_LAYER_UNSPECIFIED: IB by convention
-                    other => format!("unknown({other})"),
-                },
-                lid: pa.lid,
-                gid_table_len: pa.gid_tbl_len.max(0) as u32,
-                gids,
-            });
-        }
-        out.push(DeviceCaps {
-            name,
-            fw_ver,
-            node_guid,
-            max_qp: attr.max_qp.max(0) as u64,
-            max_qp_wr: attr.max_qp_wr.max(0) as u64,
-            max_sge: attr.max_sge.max(0) as u64,
-            max_cqe: attr.max_cqe.max(0) as u64,
-            max_srq: attr.max_srq.max(0) as u64,
-            max_srq_wr: attr.max_srq_wr.max(0) as u64,
-            max_srq_sge: attr.max_srq_sge.max(0) as u64,
-            ports,
-        });
-        drop(ctx);
+        out.push(device_caps(&ctx)?);
     }
     Ok(out)
+}
+
+fn device_caps(ctx: &Device) -> Result<DeviceCaps, VerbsError> {
+    let mut attr = ffi::ibv_device_attr::default();
+    // SAFETY: valid context and out pointer.
+    let rc = unsafe { ffi::ibv_query_device(ctx.raw(), &mut attr) };
+    if rc != 0 {
+        return Err(ctx.err("ibv_query_device", io::Error::from_raw_os_error(rc)));
+    }
+    // SAFETY: fw_ver is a NUL-terminated char array.
+    let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let guid = u64::from_be(attr.node_guid).to_be_bytes();
+    let node_guid = guid
+        .chunks(2)
+        .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
+        .collect::<Vec<_>>()
+        .join(":");
+    let ports = (1..=attr.phys_port_cnt)
+        .map(|port| port_caps(ctx, port))
+        .collect::<Result<_, _>>()?;
+    let n = |v: i32| v.max(0) as u64;
+    Ok(DeviceCaps {
+        name: ctx.name().to_string(),
+        fw_ver,
+        node_guid,
+        max_qp: n(attr.max_qp),
+        max_qp_wr: n(attr.max_qp_wr),
+        max_sge: n(attr.max_sge),
+        max_cqe: n(attr.max_cqe),
+        max_srq: n(attr.max_srq),
+        max_srq_wr: n(attr.max_srq_wr),
+        max_srq_sge: n(attr.max_srq_sge),
+        ports,
+    })
+}
+
+fn port_caps(ctx: &Device, port: u8) -> Result<PortCaps, VerbsError> {
+    let mut pa = ffi::ibv_port_attr::default();
+    // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
+    let rc = unsafe { ffi::ibv_query_port(ctx.raw(), port, ptr::addr_of_mut!(pa).cast()) };
+    if rc != 0 {
+        return Err(ctx.err("ibv_query_port", io::Error::from_raw_os_error(rc)));
+    }
+    let mut gids = Vec::new();
+    for idx in 0..pa.gid_tbl_len.max(0) {
+        let mut gid = ffi::ibv_gid { raw: [0; 16] };
+        // SAFETY: valid context, index within the table, out pointer.
+        if unsafe { ffi::ibv_query_gid(ctx.raw(), port, idx, &mut gid) } != 0 {
+            continue;
+        }
+        // SAFETY: raw is the union's plain-bytes view.
+        let raw = unsafe { gid.raw };
+        if raw != [0; 16] {
+            gids.push(gid_string(&raw));
+        }
+    }
+    Ok(PortCaps {
+        port,
+        state: port_state(pa.state),
+        active_mtu: mtu_bytes(pa.active_mtu),
+        max_mtu: mtu_bytes(pa.max_mtu),
+        link_layer: match pa.link_layer as u32 {
+            1 => "InfiniBand".into(),
+            2 => "Ethernet".into(),
+            0 => "InfiniBand".into(), // IBV_LINK_LAYER_UNSPECIFIED: IB by convention
+            other => format!("unknown({other})"),
+        },
+        lid: pa.lid,
+        gid_table_len: pa.gid_tbl_len.max(0) as u32,
+        gids,
+    })
 }
 
 /// Total system memory in bytes (MemTotal), for the budget rule.

@@ -207,34 +207,12 @@ impl Msg {
 
     /// Decodes and validates every field.
     pub fn decode(b: &[u8; MSG_LEN]) -> Result<Msg, WireError> {
-        let be32 = |o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let magic = [b[0], b[1], b[2], b[3]];
-        if magic != MAGIC {
-            return Err(WireError::Magic(magic));
-        }
-        if b[4] != VERSION {
-            return Err(WireError::Version(b[4]));
-        }
-        let kind = match b[5] {
-            1 => Kind::Req,
-            2 => Kind::Rep,
-            3 => Kind::Rej,
-            4 => Kind::Rtu,
-            k => return Err(WireError::Kind(k)),
-        };
-        for o in [7, 27, 44, 45, 46, 47] {
-            if b[o] != 0 {
-                return Err(WireError::Reserved(o));
-            }
-        }
-        if kind != Kind::Rej && b[6] != 0 {
-            return Err(WireError::Reserved(6));
-        }
-        let ud_qpn = be32(8);
+        let kind = decode_header(b)?;
+        let ud_qpn = be32(b, 8);
         if !qpn_ok(ud_qpn) {
             return Err(WireError::UdQpn(ud_qpn));
         }
-        let recv_mtu = be32(12);
+        let recv_mtu = be32(b, 12);
         if !(MIN_RECV_MTU..=MAX_RECV_MTU).contains(&recv_mtu) {
             return Err(WireError::RecvMtu(recv_mtu));
         }
@@ -254,38 +232,10 @@ impl Msg {
                 })
             }
             Kind::Req | Kind::Rep => {
-                let qpn = be32(16);
-                if !qpn_ok(qpn) {
-                    return Err(WireError::RcQpn(qpn));
-                }
-                let psn = be32(20);
-                if psn > 0xff_ffff {
-                    return Err(WireError::Psn(psn));
-                }
-                let lid = u16::from_be_bytes([b[24], b[25]]);
-                // 0: RoCE (no LIDs); 0xc000.. are multicast LIDs and 0xffff the permissive LID.
-                if lid >= 0xc000 {
-                    return Err(WireError::Lid(lid));
-                }
-                let mtu = b[26];
-                if !(1..=5).contains(&mtu) {
-                    return Err(WireError::PortMtu(mtu));
-                }
-                let mut gid = [0u8; 16];
-                gid.copy_from_slice(&b[28..44]);
-                if gid == [0; 16] || gid[0] == 0xff {
-                    return Err(WireError::Gid);
-                }
                 let h = Hello {
                     ud_qpn,
                     recv_mtu,
-                    rc: RcEndpoint {
-                        qpn,
-                        psn,
-                        lid,
-                        gid,
-                        mtu: mtu as u32,
-                    },
+                    rc: decode_endpoint(b)?,
                 };
                 Ok(if kind == Kind::Req {
                     Msg::Req(h)
@@ -295,6 +245,70 @@ impl Msg {
             }
         }
     }
+}
+
+fn be32(b: &[u8; MSG_LEN], o: usize) -> u32 {
+    u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+/// Magic, version, kind and the reserved bytes.
+fn decode_header(b: &[u8; MSG_LEN]) -> Result<Kind, WireError> {
+    let magic = [b[0], b[1], b[2], b[3]];
+    if magic != MAGIC {
+        return Err(WireError::Magic(magic));
+    }
+    if b[4] != VERSION {
+        return Err(WireError::Version(b[4]));
+    }
+    let kind = match b[5] {
+        1 => Kind::Req,
+        2 => Kind::Rep,
+        3 => Kind::Rej,
+        4 => Kind::Rtu,
+        k => return Err(WireError::Kind(k)),
+    };
+    for o in [7, 27, 44, 45, 46, 47] {
+        if b[o] != 0 {
+            return Err(WireError::Reserved(o));
+        }
+    }
+    if kind != Kind::Rej && b[6] != 0 {
+        return Err(WireError::Reserved(6));
+    }
+    Ok(kind)
+}
+
+/// The RC endpoint of a REQ or REP: QPN, PSN, LID, port MTU, GID.
+fn decode_endpoint(b: &[u8; MSG_LEN]) -> Result<RcEndpoint, WireError> {
+    let qpn = be32(b, 16);
+    if !qpn_ok(qpn) {
+        return Err(WireError::RcQpn(qpn));
+    }
+    let psn = be32(b, 20);
+    if psn > 0xff_ffff {
+        return Err(WireError::Psn(psn));
+    }
+    let lid = u16::from_be_bytes([b[24], b[25]]);
+    // 0: RoCE (no LIDs); 0xc000.. are multicast LIDs and 0xffff the permissive LID.
+    if lid >= 0xc000 {
+        return Err(WireError::Lid(lid));
+    }
+    let mtu = b[26];
+    if !(1..=5).contains(&mtu) {
+        return Err(WireError::PortMtu(mtu));
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&b[28..44]);
+    if gid == [0; 16] || gid[0] == 0xff {
+        return Err(WireError::Gid);
+    }
+    Ok(RcEndpoint {
+        qpn,
+        psn,
+        lid,
+        gid,
+        mtu: mtu as u32,
+    })
 }
 
 /// The per-connection MTU (RFC 4755 5.1): the smaller receive MTU, less the IPoIB header.
