@@ -118,6 +118,36 @@ pub mod peer_mode {
     pub const CM_UP: u8 = 2;
 }
 
+/// [`PeerEntry::mode`] as a type, for the control plane (the eBPF side compares the raw
+/// values of [`peer_mode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum PeerMode {
+    Ud = peer_mode::UD,
+    CmPending = peer_mode::CM_PENDING,
+    CmUp = peer_mode::CM_UP,
+}
+
+impl From<PeerMode> for u8 {
+    fn from(m: PeerMode) -> u8 {
+        m as u8
+    }
+}
+
+impl TryFrom<u8> for PeerMode {
+    /// The raw value that is no mode.
+    type Error = u8;
+
+    fn try_from(v: u8) -> Result<Self, u8> {
+        match v {
+            peer_mode::UD => Ok(PeerMode::Ud),
+            peer_mode::CM_PENDING => Ok(PeerMode::CmPending),
+            peer_mode::CM_UP => Ok(PeerMode::CmUp),
+            other => Err(other),
+        }
+    }
+}
+
 /// [`PeerEntry::pin`]: an operator's override for one peer.
 pub mod peer_pin {
     /// The policy decides.
@@ -128,6 +158,50 @@ pub mod peer_pin {
     pub const CM: u8 = 2;
     /// Drop what this peer sends us (ingress), counted.
     pub const BLOCK: u8 = 3;
+}
+
+/// [`PeerEntry::pin`] as a type: an operator's per-peer override (`set-policy peer=ADDR:PIN`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+pub enum PeerPin {
+    #[default]
+    Auto = peer_pin::AUTO,
+    Ud = peer_pin::UD,
+    Cm = peer_pin::CM,
+    Block = peer_pin::BLOCK,
+}
+
+impl From<PeerPin> for u8 {
+    fn from(p: PeerPin) -> u8 {
+        p as u8
+    }
+}
+
+impl TryFrom<u8> for PeerPin {
+    /// The raw value that is no pin.
+    type Error = u8;
+
+    fn try_from(v: u8) -> Result<Self, u8> {
+        match v {
+            peer_pin::AUTO => Ok(PeerPin::Auto),
+            peer_pin::UD => Ok(PeerPin::Ud),
+            peer_pin::CM => Ok(PeerPin::Cm),
+            peer_pin::BLOCK => Ok(PeerPin::Block),
+            other => Err(other),
+        }
+    }
+}
+
+impl core::fmt::Display for PeerPin {
+    /// As `set-policy` takes it.
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            PeerPin::Auto => "auto",
+            PeerPin::Ud => "ud",
+            PeerPin::Cm => "cm",
+            PeerPin::Block => "block",
+        })
+    }
 }
 
 /// Control-plane state for one peer.
@@ -432,6 +506,21 @@ mod tests {
 
         assert_eq!((size_of::<Counter>(), align_of::<Counter>()), (16, 8));
         assert_eq!(size_of::<Reason>(), 4);
+    }
+
+    #[test]
+    fn peer_modes_round_trip_through_their_raw_values() {
+        for m in [PeerMode::Ud, PeerMode::CmPending, PeerMode::CmUp] {
+            assert_eq!(PeerMode::try_from(u8::from(m)), Ok(m));
+        }
+        assert_eq!(u8::from(PeerMode::CmUp), peer_mode::CM_UP);
+        assert_eq!(PeerMode::try_from(3), Err(3));
+        for p in [PeerPin::Auto, PeerPin::Ud, PeerPin::Cm, PeerPin::Block] {
+            assert_eq!(PeerPin::try_from(u8::from(p)), Ok(p));
+        }
+        assert_eq!(u8::from(PeerPin::Block), peer_pin::BLOCK);
+        assert_eq!(PeerPin::try_from(4), Err(4));
+        assert_eq!(PeerPin::default(), PeerPin::Auto);
     }
 
     /// No implicit holes: the sum of the fields' sizes is the struct's size.

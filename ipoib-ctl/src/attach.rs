@@ -386,7 +386,7 @@ fn pins_after(maps: &DatapathMaps, change: &PolicyChange) -> Result<Vec<(std::ne
     let mut pins: std::collections::BTreeMap<_, _> = maps
         .peers()?
         .into_iter()
-        .filter_map(|(k, e)| Some((k.ip()?, Pin::from_raw(e.pin).unwrap_or(Pin::Auto))))
+        .filter_map(|(k, e)| Some((k.ip()?, Pin::try_from(e.pin).unwrap_or_default())))
         .collect();
     pins.extend(change.peers.iter().map(|(ip, pin)| (*ip, *pin)));
     Ok(pins.into_iter().collect())
@@ -396,7 +396,7 @@ fn apply_peer_pins(maps: &mut DatapathMaps, change: &PolicyChange) -> Result<()>
     for (ip, pin) in &change.peers {
         let key = ipoib_common::PeerKey::from(*ip);
         let mut entry = maps.peer(&key)?.unwrap_or_default();
-        entry.pin = pin.raw();
+        entry.pin = u8::from(*pin);
         maps.set_peer(key, entry)?;
     }
     Ok(())

@@ -4,5 +4,5 @@
 pub mod handshake;
 pub mod wire;
 
-pub use handshake::{Cm, Connection, Gone, Resources, SetupConfig, SetupError};
+pub use handshake::{Cm, Connection, Gone, SetupConfig, SetupError};
 pub use wire::{HwAddr, RejectReason};

@@ -1,43 +1,47 @@
-//! The CM side of `ipoib-ctl attach`: verbs resources sized by the memory plan, the TUN device
-//! and the [`engine`](crate::engine), the handshake listener, and the
-//! [`promotion`](crate::promotion) policy driven once a second by the fast path's per-peer
-//! counters. It writes the fast path's peer map: a peer becomes `CM_UP` (redirected to the
-//! TUN device) only once its connection is established, and goes back to `UD` before the
-//! connection is torn down, so nothing is redirected into a dead connection.
+//! Connected mode inside `attach`: the [`Manager`] owns what connected mode runs on (verbs
+//! resources sized by the memory plan, the TUN device and the [`engine`](crate::engine), the
+//! handshake listener, the device's asynchronous events) and carries out what its I/O-free
+//! [`Core`] decides. Each source of input is one branch of [`Manager::next_input`] and one
+//! `on_*` method; each decision is a [`Command`] that [`Manager::execute`] performs in order.
 //!
-//! Runs on its own thread with a single-threaded tokio runtime, beside the heartbeat loop.
+//! It writes the fast path's peer map: a peer becomes `CM_UP` (redirected to the TUN device)
+//! only once the engine has its route, and goes back to `UD` before the route goes and the
+//! connection is closed, so nothing is redirected into a dead connection.
+//!
+//! Runs inside the control loop's one runtime ([`crate::daemon`]), the engine as a task of it.
+
+mod core;
 
 use std::{
     collections::HashMap,
     io,
     net::{IpAddr, SocketAddr},
-    path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
+    os::fd::{AsRawFd, RawFd},
+    path::{Path, PathBuf},
+    sync::Arc,
     time::Duration,
 };
 
-use ipoib_common::{PeerEntry, PeerKey, peer_mode, peer_pin};
+use ipoib_common::{PeerEntry, PeerKey, PeerMode, PeerPin};
 use serde::Serialize;
-use tokio::sync::{mpsc, oneshot};
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    sync::{mpsc, oneshot},
+    task::JoinHandle,
+};
 
+pub use self::core::{Command, Core, PeerView, TickInput, Traffic};
 use crate::{
     clock::monotonic_ns,
-    cm::{Cm, Connection, Gone, HwAddr, RejectReason, Resources, SetupConfig, SetupError},
-    engine::{Engine, EngineConfig, EngineError, EngineEvent, EngineStats, Route, Routes},
+    cm::{Cm, Connection, Gone, RejectReason, SetupConfig, SetupError},
+    engine::{Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Route},
     maps::{DatapathMaps, MapsError},
+    netdev::{self, NetdevError, Resolve},
     plan::{self, CM_BUF_SIZE, PAGE_SIZE, PlanKind},
     policy::Mode,
-    promotion::{
-        Action, Config as PromotionConfig, Failure, Pin as PeerPin, Promoter, Sample, State,
-    },
+    promotion::{Config as PromotionConfig, Failure, Promoter},
     tun::{Tun, TunError},
-    verbs::{
-        self, AsyncEvent, CompletionQueue, Device, MemoryRegion, SharedReceiveQueue, VerbsError,
-    },
+    verbs::{self, AsyncEvent, Device, Resources, VerbsError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -56,63 +60,8 @@ pub enum CmError {
     NoDevice(String),
     #[error("the memory plan for {device} allows no connected mode: {why}")]
     NoPlan { device: String, why: String },
-    #[error("configuring {dev}: `{cmd}` failed: {stderr}")]
-    Ip {
-        dev: String,
-        cmd: String,
-        stderr: String,
-    },
-}
-
-/// How a peer's IPoIB hardware address (GID and UD QPN) is found from its IP address.
-#[derive(Debug, Clone)]
-pub enum Resolve {
-    /// IPoIB: the neighbour table of this interface (the 20-byte link-layer address).
-    Neighbour(String),
-    /// The lab (Ethernet, one soft-RoCE device shared by every node): the peer's GID is our
-    /// own and its UD QPN is [`lab_ud_qpn`] of its address.
-    Lab,
-}
-
-/// The lab's stand-in UD QPN of a node: 0x100 plus the last byte of its address.
-pub fn lab_ud_qpn(ip: IpAddr) -> u32 {
-    let last = match ip {
-        IpAddr::V4(a) => a.octets()[3],
-        IpAddr::V6(a) => a.octets()[15],
-    };
-    0x100 + u32::from(last)
-}
-
-/// Parses a 20-byte IPoIB hardware address (`80:00:00:48:fe:80:...`): flags, QPN, GID.
-pub fn parse_ipoib_hwaddr(s: &str) -> Option<HwAddr> {
-    let b: Vec<u8> = s
-        .split(':')
-        .map(|h| u8::from_str_radix(h, 16))
-        .collect::<Result<_, _>>()
-        .ok()?;
-    if b.len() != 20 {
-        return None;
-    }
-    let mut gid = [0u8; 16];
-    gid.copy_from_slice(&b[4..]);
-    Some(HwAddr {
-        gid,
-        ud_qpn: u32::from_be_bytes([0, b[1], b[2], b[3]]),
-    })
-}
-
-impl Resolve {
-    async fn peer(&self, ip: IpAddr, own_gid: [u8; 16]) -> Option<HwAddr> {
-        match self {
-            Resolve::Lab => Some(HwAddr {
-                gid: own_gid,
-                ud_qpn: lab_ud_qpn(ip),
-            }),
-            Resolve::Neighbour(iface) => {
-                parse_ipoib_hwaddr(&crate::netdev::neighbour(iface, ip).await?)
-            }
-        }
-    }
+    #[error(transparent)]
+    Netdev(#[from] NetdevError),
 }
 
 /// What `attach` passes in.
@@ -166,123 +115,34 @@ pub struct CmStatus {
     pub peers: Vec<PeerStatus>,
 }
 
+/// Where `iface`'s control loop writes its CM status.
+pub fn status_path(iface: &str) -> PathBuf {
+    PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.cm.json"))
+}
+
 /// The CM status of `iface` as its control loop last wrote it.
 pub fn read_status(iface: &str) -> Option<CmStatus> {
-    let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.cm.json"));
-    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+    serde_json::from_slice(&std::fs::read(status_path(iface)).ok()?).ok()
 }
 
-/// The running CM side; stops on [`CmHandle::stop`].
-pub struct CmHandle {
-    stop: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<Result<(), CmError>>>,
-}
-
-impl CmHandle {
-    /// Stops it: every connection is marked UD in the map, then closed; the TUN device goes.
-    pub fn stop(mut self) -> Result<(), CmError> {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        match self.thread.take().map(|t| t.join()) {
-            Some(Ok(r)) => r,
-            Some(Err(_)) => Err(CmError::Io(io::Error::other("the CM thread panicked"))),
-            None => Ok(()),
+impl From<&SetupError> for Failure {
+    fn from(e: &SetupError) -> Self {
+        match e {
+            SetupError::Rejected(RejectReason::NoResources | RejectReason::Busy)
+            | SetupError::Busy
+            | SetupError::Full => Failure::NoResources,
+            SetupError::Rejected(_)
+            | SetupError::Crossed
+            | SetupError::InProgress
+            | SetupError::WrongPeer { .. } => Failure::Rejected,
+            SetupError::Timeout(_) => Failure::Timeout,
+            _ => Failure::QpError,
         }
     }
-}
-
-impl Drop for CmHandle {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn ip_cmd(dev: &str, args: &[&str]) -> Result<(), CmError> {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => CmError::Ip {
-                dev: dev.into(),
-                cmd: format!("ip {}", args.join(" ")),
-                stderr: "`ip` is not installed (Debian package iproute2)".into(),
-            },
-            _ => e.into(),
-        })?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(CmError::Ip {
-            dev: dev.into(),
-            cmd: format!("ip {}", args.join(" ")),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
-        })
-    }
-}
-
-/// Sets everything up and starts the CM thread; returns once it runs (or why it cannot).
-pub fn start(iface: &str, pin_dir: PathBuf, opts: CmOptions) -> Result<CmHandle, CmError> {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let (stop_tx, stop_rx) = oneshot::channel();
-    let iface = iface.to_string();
-    let thread = std::thread::Builder::new()
-        .name("ipoib-cm".into())
-        .spawn(move || run(iface, pin_dir, opts, ready_tx, stop_rx))?;
-    match ready_rx.recv() {
-        Ok(Ok(())) => Ok(CmHandle {
-            stop: Some(stop_tx),
-            thread: Some(thread),
-        }),
-        Ok(Err(e)) => {
-            let _ = thread.join();
-            Err(e)
-        }
-        Err(_) => match thread.join() {
-            Ok(Err(e)) => Err(e),
-            _ => Err(CmError::Io(io::Error::other(
-                "the CM thread ended while starting",
-            ))),
-        },
-    }
-}
-
-/// Why the manager hears from a connection.
-enum Event {
-    Established(IpAddr, Connection),
-    SetupFailed(IpAddr, SetupError),
-    /// The connection ended: `gone` says how the peer went, None when we closed it.
-    Closed {
-        ip: IpAddr,
-        qpn: u32,
-        gone: Option<Gone>,
-    },
-}
-
-struct Live {
-    qpn: u32,
-    close: oneshot::Sender<()>,
 }
 
 /// GSO packets larger than this would not fit one RC message with the engine's header.
 pub const GSO_MAX_SIZE: u32 = 65000;
-
-struct Setup {
-    /// The interface's gso_max_size before we lowered it (restored at stop).
-    gso_before: Option<u64>,
-    res: Arc<Resources>,
-    engine: Engine,
-    srq_depth: u32,
-    max_connections: usize,
-    device: String,
-    /// The open device, for its asynchronous events.
-    dev: Device,
-}
 
 /// Makes the stack accept IPv4 packets written into the TUN device from peers whose route is
 /// the IPoIB interface. The reverse-path filter uses max(all, device): the device's own
@@ -300,10 +160,10 @@ fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
              set it to 2 (loose) or 0"
         ),
         "2" => {
-            let addrs = crate::netdev::ipv4_addrs(iface).unwrap_or_default();
+            let addrs = netdev::ipv4_addrs(iface).unwrap_or_default();
             for local in addrs {
                 let cidr = format!("{local}/32");
-                ip_cmd(tun, &["addr", "add", &cidr, "dev", tun, "noprefixroute"])?;
+                netdev::ip(&["addr", "add", &cidr, "dev", tun, "noprefixroute"])?;
             }
         }
         _ => {}
@@ -311,19 +171,15 @@ fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
     Ok(())
 }
 
-/// The interface's gso_max_size, from `ip -d -j link`.
-fn gso_max_size(iface: &str) -> Option<u64> {
-    crate::netdev::link_attr(iface, "gso_max_size")
-        .ok()??
-        .as_u64()
+/// The device, its plan and the verbs resources sized by it.
+struct Hca {
+    dev: Device,
+    res: Arc<Resources>,
+    srq_depth: u32,
+    max_connections: usize,
 }
 
-fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError> {
-    tracing::info!(
-        "starting connected mode on {iface}: {} port {}",
-        opts.device,
-        opts.port
-    );
+fn open_hca(opts: &CmOptions) -> Result<Hca, CmError> {
     let dev = Device::open(&opts.device).map_err(|e| match e {
         VerbsError::NoDevices => CmError::NoDevice(opts.device.clone()),
         e => e.into(),
@@ -336,589 +192,584 @@ fn setup(iface: &str, opts: &CmOptions, tun_name: &str) -> Result<Setup, CmError
             why: p.why,
         });
     }
-    let port = dev.first_address(opts.port)?;
-    let pd = dev.alloc_pd()?;
     let depth = p.ring as u32;
-    let cq = CompletionQueue::create(&dev, depth + 2 * opts.send_slots, true)?;
     let stride = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-    let srq = SharedReceiveQueue::create(&pd, depth, p.buffer_bytes as u32, stride)?;
-    let send = MemoryRegion::register(&pd, opts.send_slots, stride)?;
-    let res = Arc::new(Resources {
-        pd,
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        srq,
-        port,
-    });
-    let tun = Tun::create(tun_name, true)?;
-    let name = tun.name().to_string();
-    // No IPv6 link-local address (the kernel's own chatter would come to the engine), a
-    // 64 KiB MTU, and reverse-path filtering that accepts what arrives here (see
-    // `accept_on_tun`).
-    ip_cmd(
-        &name,
-        &[
-            "link",
-            "set",
-            &name,
-            "addrgenmode",
-            "none",
-            "mtu",
-            "65520",
-            "up",
-        ],
-    )?;
-    accept_on_tun(iface, &name)?;
-    let engine = Engine::new(
-        tun,
-        res.clone(),
-        cq,
-        send,
-        Routes::default(),
-        EngineConfig::default(),
-    )?;
-    // The stack builds GSO packets for the interface the route uses: keep them small enough
-    // for one RC message (header included), or the engine would have to drop them.
-    let gso_before = gso_max_size(iface);
-    if gso_before.is_none_or(|g| g > u64::from(GSO_MAX_SIZE)) {
-        let size = GSO_MAX_SIZE.to_string();
-        ip_cmd(iface, &["link", "set", "dev", iface, "gso_max_size", &size])?;
-    }
-    Ok(Setup {
-        gso_before,
+    let buffer = p.buffer_bytes as u32;
+    let res = Resources::create(&dev, opts.port, depth, buffer, opts.send_slots, stride)?;
+    Ok(Hca {
+        dev,
         res,
-        engine,
         srq_depth: depth,
         max_connections: p.max_cm_peers as usize,
-        device: opts.device.clone(),
-        dev,
     })
 }
 
-fn run(
-    iface: String,
-    pin_dir: PathBuf,
-    opts: CmOptions,
-    ready: std::sync::mpsc::Sender<Result<(), CmError>>,
-    stop: oneshot::Receiver<()>,
-) -> Result<(), CmError> {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            let _ = ready.send(Err(e.into()));
-            return Ok(());
-        }
-    };
+/// The TUN device `IFACEcm`: no IPv6 link-local address (the kernel's own chatter would come
+/// to the engine), a 64 KiB MTU, reverse-path filtering that accepts what arrives on it (see
+/// [`accept_on_tun`]). Returns it and its ifindex.
+fn open_tun(iface: &str) -> Result<(Tun, u32), CmError> {
     // IFNAMSIZ is 16 with the NUL: 13 characters at most before the suffix.
-    let tun_name = format!("{}cm", iface.chars().take(13).collect::<String>());
-    let s = match setup(&iface, &opts, &tun_name)
-        .and_then(|s| Ok((s, DatapathMaps::from_pins(&pin_dir)?)))
-    {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return Ok(());
-        }
-    };
-    let (setup, maps) = s;
-    let tun = setup.engine.tun_name().to_string();
-    let status_path = opts.status_path.clone();
-    let r = rt.block_on(manage(iface.clone(), opts, setup, maps, tun, ready, stop));
-    if let Err(e) = &r {
-        tracing::error!("connected mode on {iface} stopped on an error: {e}");
-        let _ = std::fs::remove_file(status_path);
-    }
-    r
+    let want = format!("{}cm", iface.chars().take(13).collect::<String>());
+    let tun = Tun::create(&want, true)?;
+    let name = tun.name().to_string();
+    let up = [
+        "link",
+        "set",
+        &name,
+        "addrgenmode",
+        "none",
+        "mtu",
+        "65520",
+        "up",
+    ];
+    netdev::ip(&up)?;
+    accept_on_tun(iface, &name)?;
+    let ifindex = netdev::Netdev::lookup(&name)?.ifindex;
+    Ok((tun, ifindex))
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn manage(
+/// The stack builds GSO packets for the interface the route uses: keep them small enough for
+/// one RC message (header included), or the engine would have to drop them. Returns the size
+/// before, to restore.
+fn lower_gso(iface: &str) -> Result<Option<u64>, CmError> {
+    let before = netdev::gso_max_size(iface);
+    if before.is_none_or(|g| g > u64::from(GSO_MAX_SIZE)) {
+        let size = GSO_MAX_SIZE.to_string();
+        netdev::ip(&["link", "set", "dev", iface, "gso_max_size", &size])?;
+    }
+    Ok(before)
+}
+
+/// A previous control loop that died (kill -9, a crash) left its peers CM_UP or CM_PENDING,
+/// pointing at a TUN device that is gone: UD until connected again.
+fn reset_peers(maps: &mut DatapathMaps) -> Result<(), CmError> {
+    for (key, e) in maps.peers()? {
+        if e.mode != u8::from(PeerMode::Ud) {
+            let entry = PeerEntry {
+                mode: PeerMode::Ud.into(),
+                cm_ifindex: 0,
+                generation: e.generation.wrapping_add(1),
+                ..e
+            };
+            maps.set_peer(key, entry)?;
+        }
+    }
+    Ok(())
+}
+
+struct RawFdRef(RawFd);
+impl AsRawFd for RawFdRef {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// How a setup or a watched connection ended (from the tasks that run them).
+pub enum Outcome {
+    Established(IpAddr, Connection),
+    SetupFailed(IpAddr, SetupError),
+    /// The connection ended: `gone` says how the peer went, None when we closed it.
+    Closed {
+        ip: IpAddr,
+        qpn: u32,
+        gone: Option<Gone>,
+    },
+}
+
+/// One input of the manager, from [`Manager::next_input`].
+pub enum Input {
+    /// The policy's tick: counters, pins, the policy and the cap are read.
+    Tick,
+    Engine(EngineEvent),
+    /// The device's async fd is readable.
+    DeviceEvents,
+    /// A peer set a connection up to us (or tried).
+    Accepted(SocketAddr, Result<Connection, SetupError>),
+    Outcome(Outcome),
+}
+
+/// The running engine task and how to stop it.
+struct EngineTask {
+    control: EngineControl,
+    stats: Arc<EngineStats>,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<(Engine, Result<(), EngineError>)>,
+}
+
+/// Connected mode on one interface. Built by [`Manager::start`]; fed by the control loop
+/// with [`Manager::next_input`] and [`Manager::handle`]; ended by [`Manager::shutdown`].
+pub struct Manager {
+    /// First, so it is deregistered before the device context (in `dev`) can close its fd.
+    device_events: AsyncFd<RawFdRef>,
     iface: String,
     opts: CmOptions,
-    setup: Setup,
-    mut maps: DatapathMaps,
+    core: Core,
+    maps: DatapathMaps,
+    dev: Device,
+    res: Arc<Resources>,
+    srq_depth: u32,
+    plan_max: usize,
+    cm: Arc<Cm>,
+    /// The handshake listener's task.
+    serve: JoinHandle<io::Result<()>>,
+    engine: EngineTask,
+    engine_events: mpsc::UnboundedReceiver<EngineEvent>,
+    accepted: mpsc::UnboundedReceiver<(SocketAddr, Result<Connection, SetupError>)>,
+    outcomes_tx: mpsc::UnboundedSender<Outcome>,
+    outcomes: mpsc::UnboundedReceiver<Outcome>,
+    /// Established connections waiting for the core's word (route or discard), by QPN.
+    parked: HashMap<u32, Connection>,
+    /// Watched connections: what closes each, by QPN.
+    closers: HashMap<u32, oneshot::Sender<()>>,
+    tick: tokio::time::Interval,
     tun: String,
-    ready: std::sync::mpsc::Sender<Result<(), CmError>>,
-    stop: oneshot::Receiver<()>,
-) -> Result<(), CmError> {
-    let Setup {
-        gso_before,
-        res,
-        mut engine,
-        srq_depth,
-        max_connections,
-        device,
-        dev,
-    } = setup;
-    let tun_ifindex = match crate::netdev::Netdev::lookup(&tun) {
-        Ok(d) => d.ifindex,
-        Err(e) => {
-            let _ = ready.send(Err(CmError::Io(io::Error::other(e.to_string()))));
-            return Ok(());
-        }
-    };
-    let listener =
-        match tokio::net::TcpListener::bind(SocketAddr::from(([0u8; 16], opts.ctl_port))).await {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = ready.send(Err(e.into()));
-                return Ok(());
-            }
+    tun_ifindex: u32,
+    gso_before: Option<u64>,
+}
+
+impl Manager {
+    /// Sets connected mode up on `iface` (attached, its maps pinned in `pin_dir`): the plan,
+    /// verbs resources, TUN device, engine, handshake listener and device events. When this
+    /// returns Ok, connected mode runs and every stale CM entry is reset to UD. Must be called
+    /// inside a tokio runtime.
+    pub async fn start(iface: &str, pin_dir: &Path, opts: CmOptions) -> Result<Self, CmError> {
+        tracing::info!(
+            "starting connected mode on {iface}: {} port {}",
+            opts.device,
+            opts.port
+        );
+        let hca = open_hca(&opts)?;
+        let mut maps = DatapathMaps::from_pins(pin_dir)?;
+        let listener =
+            tokio::net::TcpListener::bind(SocketAddr::from(([0u8; 16], opts.ctl_port))).await?;
+        let (tun, tun_ifindex) = open_tun(iface)?;
+        let engine = Engine::new(tun, hca.res.clone(), EngineConfig::default())?;
+        let device_events = watch_device(&hca.dev)?;
+        let _ = std::fs::remove_file(&opts.status_path);
+        reset_peers(&mut maps)?;
+        // Nothing fails past this point: what runs from here is undone by `shutdown`.
+        let gso_before = lower_gso(iface)?;
+        let cm = Arc::new(Cm::new(
+            hca.res.clone(),
+            opts.ud_qpn,
+            SetupConfig::default(),
+        ));
+        let core = new_core(iface, &opts, &hca, &cm);
+        let (acc_tx, accepted) = mpsc::unbounded_channel();
+        let serve = tokio::spawn(cm.clone().serve(listener, acc_tx));
+        let tun_name = engine.tun_name().to_string();
+        let (engine, engine_events) = spawn_engine(engine);
+        let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
+        let mut tick = tokio::time::interval(opts.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let m = Self {
+            device_events,
+            iface: iface.to_string(),
+            core,
+            maps,
+            dev: hca.dev,
+            res: hca.res,
+            srq_depth: hca.srq_depth,
+            plan_max: hca.max_connections,
+            cm,
+            serve,
+            engine,
+            engine_events,
+            accepted,
+            outcomes_tx,
+            outcomes,
+            parked: HashMap::new(),
+            closers: HashMap::new(),
+            tick,
+            tun: tun_name,
+            tun_ifindex,
+            gso_before,
+            opts,
         };
-    let cm = Arc::new(Cm::new(res.clone(), opts.ud_qpn, SetupConfig::default()));
-    // The plan's cap, lowered by policy `max-connections` (read again on every tick, so a
-    // change takes effect live).
-    let plan_max = max_connections;
-    let cap = |iface: &str| {
-        crate::attach::read_state(iface)
-            .and_then(|s| s.max_connections)
-            .map_or(plan_max, |n| (n as usize).min(plan_max))
-    };
-    let mut max_connections = cap(&iface);
-    cm.set_limit(max_connections);
-    let routes = engine.routes();
+        m.log_started();
+        Ok(m)
+    }
+
+    fn log_started(&self) {
+        let port = &self.res.port;
+        tracing::info!(
+            "CM on {}: {} port {} ({} GID index {}), TUN {}, SRQ {} x {} B, at most {} \
+             connections, handshake on TCP {}",
+            self.iface,
+            self.opts.device,
+            self.opts.port,
+            if port.ethernet { "RoCE" } else { "IB" },
+            port.gid_index,
+            self.tun,
+            self.srq_depth,
+            CM_BUF_SIZE,
+            self.core.max_connections(),
+            self.opts.ctl_port
+        );
+    }
+
+    /// The next thing to handle. Cancel-safe: every branch is a channel receive, a tick or a
+    /// readiness wait.
+    pub async fn next_input(&mut self) -> Input {
+        // The tick never ends, so some branch always stays enabled.
+        tokio::select! {
+            _ = self.tick.tick() => Input::Tick,
+            Some(e) = self.engine_events.recv() => Input::Engine(e),
+            Ok(mut g) = self.device_events.readable() => {
+                g.clear_ready();
+                Input::DeviceEvents
+            }
+            Some((a, r)) = self.accepted.recv() => Input::Accepted(a, r),
+            Some(o) = self.outcomes.recv() => Input::Outcome(o),
+        }
+    }
+
+    /// Handles one input, then carries out what the core decided.
+    pub fn handle(&mut self, input: Input) -> Result<(), CmError> {
+        match input {
+            Input::Tick => self.on_tick()?,
+            Input::Engine(e) => self.on_engine_event(e),
+            Input::DeviceEvents => self.on_device_events(),
+            Input::Accepted(addr, r) => self.on_accepted(addr, r),
+            Input::Outcome(o) => self.on_outcome(o),
+        }
+        self.execute()
+    }
+
+    /// The policy's tick: the policy (mode, cap), the operator's pins and the fast path's
+    /// counters go to the core; then the status file is written.
+    fn on_tick(&mut self) -> Result<(), CmError> {
+        let input = TickInput {
+            mode: self.maps.policy().ok().and_then(|p| Mode::from_raw(p.mode)),
+            max_connections: cap(&self.iface, self.plan_max),
+            pins: self.pins(),
+            traffic: self.traffic(),
+            srq_posted: self.res.srq.posted(),
+        };
+        self.core.handle_tick(monotonic_ns(), input);
+        self.execute()?;
+        self.write_status();
+        Ok(())
+    }
+
+    fn pins(&self) -> Vec<(IpAddr, PeerPin)> {
+        let peers = self.maps.peers().unwrap_or_default();
+        peers
+            .into_iter()
+            .filter_map(|(k, e)| Some((k.ip()?, PeerPin::try_from(e.pin).unwrap_or_default())))
+            .collect()
+    }
+
+    fn traffic(&self) -> Vec<(IpAddr, Traffic)> {
+        let traffic = self.maps.traffic().unwrap_or_default();
+        traffic
+            .into_iter()
+            .filter_map(|(k, t)| {
+                let t = Traffic {
+                    tx_packets: t.tx_ud_packets + t.tx_cm_packets,
+                    tx_bytes: t.tx_ud_bytes + t.tx_cm_bytes,
+                    tx_cm_bytes: t.tx_cm_bytes,
+                };
+                Some((k.ip()?, t))
+            })
+            .collect()
+    }
+
+    fn on_engine_event(&mut self, e: EngineEvent) {
+        let now = monotonic_ns();
+        match e {
+            EngineEvent::QpError { qpn, status } => {
+                self.core
+                    .handle_qp_error(now, qpn, &format!("completion status {status}"));
+            }
+            EngineEvent::Congested(ip) => self.core.handle_congested(ip),
+            EngineEvent::Drained(ip) => self.core.handle_drained(ip),
+            EngineEvent::RouteAdded { ip, qpn } => self.core.handle_route_added(ip, qpn),
+            EngineEvent::Received(totals) => self.core.handle_received(&totals),
+        }
+    }
+
+    /// The device's asynchronous events: a QP gone fatal with no send in flight to report it,
+    /// the SRQ running low, a port changing state.
+    fn on_device_events(&mut self) {
+        loop {
+            match self.dev.async_event(Duration::ZERO) {
+                Ok(Some(AsyncEvent::QpFatal(qpn))) => {
+                    self.core
+                        .handle_qp_error(monotonic_ns(), qpn, "device event: QP fatal");
+                }
+                Ok(Some(AsyncEvent::SrqLimitReached)) => self.core.handle_srq_limit(),
+                Ok(Some(AsyncEvent::PortChange(port))) => {
+                    tracing::info!("{} port {port} changed state", self.opts.device);
+                }
+                Ok(Some(other)) => tracing::debug!("device event {other:?}"),
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!("reading device events: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn on_accepted(&mut self, addr: SocketAddr, r: Result<Connection, SetupError>) {
+        match r {
+            Ok(c) => {
+                // The listener is dual-stack: an IPv4 peer shows as ::ffff:a.b.c.d.
+                let ip = addr.ip().to_canonical();
+                tracing::debug!("{ip}: accepted a connection");
+                self.on_established(ip, c);
+            }
+            Err(e) => tracing::debug!("{addr}: handshake refused: {e}"),
+        }
+    }
+
+    fn on_outcome(&mut self, o: Outcome) {
+        let now = monotonic_ns();
+        match o {
+            Outcome::Established(ip, c) => self.on_established(ip, c),
+            Outcome::SetupFailed(ip, e) => {
+                tracing::info!("{ip}: connection setup failed, UD for now: {e}");
+                self.core.handle_setup_failed(now, ip, Failure::from(&e));
+            }
+            Outcome::Closed { ip, qpn, gone } => {
+                self.closers.remove(&qpn);
+                self.core.handle_closed(now, ip, qpn, gone);
+            }
+        }
+    }
+
+    fn on_established(&mut self, ip: IpAddr, c: Connection) {
+        let qpn = c.qp.qpn();
+        self.parked.insert(qpn, c);
+        self.core.handle_established(monotonic_ns(), ip, qpn);
+    }
+
+    /// Carries out the core's commands, in order.
+    pub fn execute(&mut self) -> Result<(), CmError> {
+        while let Some(c) = self.core.next_command() {
+            match c {
+                Command::SetPeerMode(ip, mode) => self.set_peer_mode(ip, mode)?,
+                Command::Connect(ip) => self.connect(ip),
+                Command::AddRoute { ip, qpn } => self.add_route(ip, qpn),
+                Command::RemoveRoute { ip, qpn, close } => {
+                    let close = if close {
+                        self.closers.remove(&qpn)
+                    } else {
+                        None
+                    };
+                    self.engine.control.remove_route(ip, qpn, close);
+                }
+                Command::Discard { ip, qpn } => {
+                    tracing::debug!("{ip}: connection QP {qpn} not kept");
+                    if let Some(c) = self.parked.remove(&qpn) {
+                        c.close();
+                    }
+                }
+                Command::SetSetupLimit(n) => self.cm.set_limit(n),
+                Command::ArmSrqLimit => {
+                    if let Err(e) = self.res.srq.arm_limit(self.srq_depth / 4) {
+                        tracing::warn!("arming the SRQ limit: {e}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn set_peer_mode(&mut self, ip: IpAddr, mode: PeerMode) -> Result<(), CmError> {
+        let key = PeerKey::from(ip);
+        let old = self.maps.peer(&key)?.unwrap_or_default();
+        let entry = PeerEntry {
+            mode: mode.into(),
+            cm_ifindex: if mode == PeerMode::CmUp {
+                self.tun_ifindex
+            } else {
+                0
+            },
+            generation: old.generation.wrapping_add(1),
+            ..old
+        };
+        self.maps.set_peer(key, entry)?;
+        Ok(())
+    }
+
+    /// A setup to `ip`: its address resolved, then the handshake, as a task that reports
+    /// its [`Outcome`].
+    fn connect(&self, ip: IpAddr) {
+        let (cm, tx, resolve) = (
+            self.cm.clone(),
+            self.outcomes_tx.clone(),
+            self.opts.resolve.clone(),
+        );
+        let (port, gid) = (self.opts.ctl_port, self.res.port.gid);
+        tokio::spawn(async move {
+            let Some(hw) = resolve.peer(ip, gid).await else {
+                let _ = tx.send(Outcome::SetupFailed(ip, SetupError::Timeout("neighbour")));
+                return;
+            };
+            let o = match cm.connect(SocketAddr::new(ip, port), hw).await {
+                Ok(c) => Outcome::Established(ip, c),
+                Err(e) => Outcome::SetupFailed(ip, e),
+            };
+            let _ = tx.send(o);
+        });
+    }
+
+    /// The parked connection `qpn` becomes `ip`'s route in the engine, and is watched: it ends
+    /// on request, or when the peer closes it or stays silent past the heartbeat deadline
+    /// (the one the fast path's fail-safe uses; not under 1 s, as a busy peer's keepalive may
+    /// come late).
+    fn add_route(&mut self, ip: IpAddr, qpn: u32) {
+        let Some(mut c) = self.parked.remove(&qpn) else {
+            return;
+        };
+        tracing::info!("{ip}: connected (QP {qpn}, MTU {})", c.mtu);
+        let route = Route {
+            qp: c.qp.clone(),
+            mtu: c.mtu,
+        };
+        self.engine.control.add_route(ip, route);
+        let dead_after = self
+            .maps
+            .policy()
+            .map_or(Duration::from_secs(3), |p| {
+                Duration::from_nanos(p.heartbeat_timeout_ns)
+            })
+            .max(Duration::from_secs(1));
+        let (close_tx, close_rx) = oneshot::channel::<()>();
+        self.closers.insert(qpn, close_tx);
+        let tx = self.outcomes_tx.clone();
+        tokio::spawn(async move {
+            let gone = tokio::select! {
+                g = c.watch(dead_after / 3, dead_after) => Some(g),
+                _ = close_rx => None,
+            };
+            c.close();
+            let _ = tx.send(Outcome::Closed { ip, qpn, gone });
+        });
+    }
+
+    fn write_status(&self) {
+        let peers = self
+            .core
+            .peers()
+            .into_iter()
+            .map(PeerStatus::from)
+            .collect();
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let engine = self.engine.stats.snapshot();
+        let status = CmStatus {
+            device: self.opts.device.clone(),
+            tun: self.tun.clone(),
+            srq_depth: self.srq_depth,
+            srq_low_events: self.core.srq_low_events(),
+            max_connections: self.core.max_connections(),
+            mode: self.core.mode().to_string(),
+            connections: self.core.connections(),
+            established: get(&self.cm.stats.established),
+            failed: get(&self.cm.stats.failed),
+            engine: engine
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+            peers,
+        };
+        if let Ok(json) = serde_json::to_vec_pretty(&status) {
+            let _ = std::fs::write(&self.opts.status_path, json);
+        }
+    }
+
+    /// Stops connected mode: every peer UD first, then the connections, then the engine and
+    /// the TUN device; the interface's gso_max_size is restored.
+    pub async fn shutdown(mut self) -> Result<(), CmError> {
+        self.serve.abort();
+        self.core.handle_shutdown();
+        self.execute()?;
+        // Let the engine drop the routes and the watchers close their QPs.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let _ = self.engine.stop.send(());
+        let result = match self.engine.task.await {
+            Ok((engine, r)) => {
+                drop(engine);
+                r.map_err(CmError::from)
+            }
+            Err(e) => Err(CmError::Io(io::Error::other(format!(
+                "the engine task: {e}"
+            )))),
+        };
+        let _ = std::fs::remove_file(&self.opts.status_path);
+        if let Some(g) = self.gso_before.filter(|g| *g > u64::from(GSO_MAX_SIZE)) {
+            let iface = &self.iface;
+            let size = g.to_string();
+            let _ = netdev::ip(&["link", "set", "dev", iface, "gso_max_size", &size]);
+        }
+        tracing::info!("CM on {} stopped; every peer is on UD", self.iface);
+        result
+    }
+}
+
+impl From<PeerView> for PeerStatus {
+    fn from(p: PeerView) -> Self {
+        Self {
+            addr: p.addr,
+            state: p.state.into(),
+            why: p.why,
+            failures: p.failures,
+            promotions: p.promotions,
+        }
+    }
+}
+
+/// The decision core with the plan's cap (lowered by policy), its setup limit already given
+/// to `cm`, before the listener takes a REQ.
+fn new_core(iface: &str, opts: &CmOptions, hca: &Hca, cm: &Cm) -> Core {
+    let mut promo = opts.promotion.clone();
+    promo.max_connections = cap(iface, hca.max_connections);
+    let mut core = Core::new(Promoter::new(promo, Mode::Auto), hca.srq_depth);
+    while let Some(c) = core.next_command() {
+        if let Command::SetSetupLimit(n) = c {
+            cm.set_limit(n);
+        }
+    }
+    core
+}
+
+/// The device's async fd, watched by the runtime.
+fn watch_device(dev: &Device) -> Result<AsyncFd<RawFdRef>, CmError> {
+    // SAFETY: the fd belongs to the device context, which the manager's `dev` keeps open for
+    // as long as this AsyncFd lives (the manager drops it first).
+    unsafe { AsyncFd::register_with_interest(RawFdRef(dev.async_fd()), Interest::READABLE) }
+        .map_err(|e| CmError::Io(e.into_parts().1))
+}
+
+/// The engine as a task of this runtime, with its control and events.
+fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<EngineEvent>) {
+    let events = engine.events();
+    let control = engine.control();
     let stats = engine.stats();
-    let (eng_tx, mut eng_rx) = mpsc::unbounded_channel::<EngineEvent>();
-    engine.set_events(eng_tx);
-    let (engine_stop_tx, engine_stop_rx) = oneshot::channel::<()>();
-    let engine_task = tokio::spawn(async move {
+    let (stop, stop_rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
         let r = engine
             .run(async {
-                let _ = engine_stop_rx.await;
+                let _ = stop_rx.await;
             })
             .await;
         (engine, r)
     });
-    // The device's asynchronous events (a QP gone fatal with no send in flight to report it,
-    // the SRQ running low, a port changing state), read on a thread of their own.
-    let (dev_tx, mut dev_rx) = mpsc::unbounded_channel::<AsyncEvent>();
-    let dev_stop = Arc::new(AtomicBool::new(false));
-    let dev_thread = std::thread::Builder::new()
-        .name("cm-device-events".into())
-        .spawn({
-            let stop = dev_stop.clone();
-            move || {
-                while !stop.load(Ordering::Relaxed) {
-                    match dev.async_event(Duration::from_millis(250)) {
-                        Ok(Some(e)) => {
-                            if dev_tx.send(e).is_err() {
-                                return;
-                            }
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            tracing::warn!("no more device events: {e}");
-                            return;
-                        }
-                    }
-                }
-            }
-        });
-    let dev_thread = match dev_thread {
-        Ok(t) => t,
-        Err(e) => {
-            let _ = ready.send(Err(e.into()));
-            return Ok(());
-        }
+    let t = EngineTask {
+        control,
+        stats,
+        stop,
+        task,
     };
-    let srq_limit = srq_depth / 4;
-    let mut srq_low: u64 = 0;
-    let mut srq_armed = true;
-    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<Event>();
-    let (acc_tx, mut acc_rx) = mpsc::unbounded_channel();
-    tokio::spawn(cm.clone().serve(listener, acc_tx));
-    // A previous control loop that died (kill -9, a crash) left its peers CM_UP or
-    // CM_PENDING, pointing at a TUN device that is gone: UD until connected again.
-    let _ = std::fs::remove_file(&opts.status_path);
-    let reset = |maps: &mut DatapathMaps| -> Result<(), CmError> {
-        for (key, e) in maps.peers()? {
-            if e.mode != peer_mode::UD {
-                maps.set_peer(
-                    key,
-                    PeerEntry {
-                        mode: peer_mode::UD,
-                        cm_ifindex: 0,
-                        generation: e.generation.wrapping_add(1),
-                        ..e
-                    },
-                )?;
-            }
-        }
-        Ok(())
-    };
-    if let Err(e) = reset(&mut maps) {
-        let _ = ready.send(Err(e));
-        return Ok(());
-    }
-    let _ = ready.send(Ok(()));
-    tracing::info!(
-        "CM on {iface}: {device} port {} ({} GID index {}), TUN {tun}, SRQ {srq_depth} x {} B, \
-         at most {max_connections} connections, handshake on TCP {}",
-        opts.port,
-        if res.port.ethernet { "RoCE" } else { "IB" },
-        res.port.gid_index,
-        CM_BUF_SIZE,
-        opts.ctl_port
-    );
-
-    let mut promo_cfg = opts.promotion.clone();
-    promo_cfg.max_connections = max_connections;
-    let mut promoter: Promoter<IpAddr> = Promoter::new(promo_cfg, Mode::Auto);
-    let mut live: HashMap<IpAddr, Live> = HashMap::new();
-    // Bytes each peer's connections received (the fast path counts only what we send CM): a
-    // connection the peer sends over is not idle.
-    let mut cm_rx: HashMap<IpAddr, u64> = HashMap::new();
-    let mut last_rx: HashMap<u32, u64> = HashMap::new();
-    let mut tick = tokio::time::interval(opts.tick);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(stop);
-    let mark = |maps: &mut DatapathMaps, ip: IpAddr, mode: u8| -> Result<(), CmError> {
-        let key = PeerKey::from(ip);
-        let old = maps.peer(&key)?.unwrap_or_default();
-        maps.set_peer(
-            key,
-            PeerEntry {
-                mode,
-                cm_ifindex: if mode == peer_mode::CM_UP {
-                    tun_ifindex
-                } else {
-                    0
-                },
-                generation: old.generation.wrapping_add(1),
-                ..old
-            },
-        )?;
-        Ok(())
-    };
-    // Watches a live connection: ends it on request, or when the peer closes it or stays
-    // silent past the heartbeat deadline (the same one the fast path's fail-safe uses).
-    let watch =
-        |ip: IpAddr, mut c: Connection, dead_after: Duration, ev: mpsc::UnboundedSender<Event>| {
-            let (close_tx, close_rx) = oneshot::channel::<()>();
-            let qpn = c.qp.qpn();
-            tokio::spawn(async move {
-                let gone = tokio::select! {
-                    g = c.watch(dead_after / 3, dead_after) => Some(g),
-                    _ = close_rx => None,
-                };
-                c.close();
-                let _ = ev.send(Event::Closed { ip, qpn, gone });
-            });
-            Live {
-                qpn,
-                close: close_tx,
-            }
-        };
-
-    loop {
-        tokio::select! {
-            _ = &mut stop => break,
-            _ = tick.tick() => {
-                let now = monotonic_ns();
-                if let Ok(p) = maps.policy() {
-                    promoter.set_mode(Mode::from_raw(p.mode).unwrap_or(Mode::Auto));
-                }
-                // The limit disarms itself when it fires: arm it again once refilled.
-                if !srq_armed && res.srq.posted() > srq_limit {
-                    srq_armed = res.srq.arm_limit(srq_limit).is_ok();
-                }
-                let now_max = cap(&iface);
-                if now_max != max_connections {
-                    tracing::info!("CM on {iface}: at most {now_max} connections (was {max_connections})");
-                    max_connections = now_max;
-                    promoter.set_max_connections(now_max);
-                    cm.set_limit(now_max);
-                }
-                for (key, e) in maps.peers().unwrap_or_default() {
-                    if let Some(ip) = key.ip() {
-                        promoter.set_pin(ip, match e.pin {
-                            peer_pin::UD => PeerPin::Ud,
-                            peer_pin::CM => PeerPin::Cm,
-                            peer_pin::BLOCK => PeerPin::Block,
-                            _ => PeerPin::Auto,
-                        });
-                    }
-                }
-                let rx = stats.rx_by_qp.lock().expect("rx_by_qp").clone();
-                for (ip, l) in &live {
-                    let v = rx.get(&l.qpn).copied().unwrap_or(0);
-                    let before = last_rx.insert(l.qpn, v).unwrap_or(0);
-                    *cm_rx.entry(*ip).or_default() += v.saturating_sub(before);
-                }
-                for (key, t) in maps.traffic().unwrap_or_default() {
-                    if let Some(ip) = key.ip() {
-                        promoter.observe(now, ip, Sample {
-                            tx_packets: t.tx_ud_packets + t.tx_cm_packets,
-                            tx_bytes: t.tx_ud_bytes + t.tx_cm_bytes,
-                            cm_bytes: t.tx_cm_bytes + cm_rx.get(&ip).copied().unwrap_or(0),
-                        });
-                    }
-                }
-                for a in promoter.tick(now) {
-                    match a {
-                        Action::Connect(ip) => {
-                            mark(&mut maps, ip, peer_mode::CM_PENDING)?;
-                            let (cm, ev, resolve) = (cm.clone(), ev_tx.clone(), opts.resolve.clone());
-                            let (port, gid) = (opts.ctl_port, res.port.gid);
-                            tokio::spawn(async move {
-                                let Some(hw) = resolve.peer(ip, gid).await else {
-                                    let _ = ev.send(Event::SetupFailed(ip, SetupError::Timeout("neighbour")));
-                                    return;
-                                };
-                                let e = match cm.connect(SocketAddr::new(ip, port), hw).await {
-                                    Ok(c) => Event::Established(ip, c),
-                                    Err(e) => Event::SetupFailed(ip, e),
-                                };
-                                let _ = ev.send(e);
-                            });
-                        }
-                        Action::Disconnect(ip, why) => {
-                            // UD first, then the route, then the QP.
-                            mark(&mut maps, ip, peer_mode::UD)?;
-                            routes.remove(&ip);
-                            if let Some(l) = live.remove(&ip) {
-                                tracing::info!("{ip}: closing its connection (QP {}): {why:?}", l.qpn);
-                                let _ = l.close.send(());
-                            } else {
-                                promoter.closed(now, &ip);
-                            }
-                        }
-                    }
-                }
-                let mut snapshot = cm_status(&promoter, &live, &cm, &stats, &device, &tun, srq_depth, max_connections);
-                snapshot.srq_low_events = srq_low;
-                if let Ok(json) = serde_json::to_vec_pretty(&snapshot) {
-                    let _ = std::fs::write(&opts.status_path, json);
-                }
-            }
-            Some(e) = eng_rx.recv() => match e {
-                EngineEvent::Congested(ip) if live.contains_key(&ip) => {
-                    tracing::debug!("{ip}: the connection's queue is full: UD until it drains");
-                    mark(&mut maps, ip, peer_mode::UD)?;
-                }
-                EngineEvent::Drained(ip) if live.contains_key(&ip) => {
-                    mark(&mut maps, ip, peer_mode::CM_UP)?;
-                }
-                EngineEvent::QpError { qpn, status } => {
-                    let why = format!("completion status {status}");
-                    if let Some(ip) = broken(&mut live, qpn) {
-                        tracing::warn!("{ip}: QP {qpn} failed ({why}): UD, retry later");
-                        mark(&mut maps, ip, peer_mode::UD)?;
-                        routes.remove(&ip);
-                        promoter.failed(monotonic_ns(), &ip, Failure::QpError);
-                    }
-                }
-                _ => {}
-            },
-            Some(e) = dev_rx.recv() => match e {
-                AsyncEvent::QpFatal(qpn) => {
-                    if let Some(ip) = broken(&mut live, qpn) {
-                        tracing::warn!("{ip}: QP {qpn} went fatal (device event): UD, retry later");
-                        mark(&mut maps, ip, peer_mode::UD)?;
-                        routes.remove(&ip);
-                        promoter.failed(monotonic_ns(), &ip, Failure::QpError);
-                    }
-                }
-                AsyncEvent::SrqLimitReached => {
-                    srq_low += 1;
-                    srq_armed = false;
-                    tracing::warn!(
-                        "CM on {iface}: fewer than {srq_limit} of {srq_depth} receive buffers posted \
-                         (the engine is not keeping up); senders will meet RNR NAKs"
-                    );
-                }
-                AsyncEvent::PortChange(port) => tracing::info!("{device} port {port} changed state"),
-                other => tracing::debug!("device event {other:?}"),
-            },
-            Some((addr, r)) = acc_rx.recv() => match r {
-                Ok(c) => {
-                    // The listener is dual-stack: an IPv4 peer shows as ::ffff:a.b.c.d.
-                    let ip = addr.ip().to_canonical();
-                    let _ = ev_tx.send(Event::Established(ip, c));
-                    tracing::debug!("{ip}: accepted a connection");
-                }
-                Err(e) => tracing::debug!("{addr}: handshake refused: {e}"),
-            },
-            Some(ev) = ev_rx.recv() => {
-                let now = monotonic_ns();
-                match ev {
-                    Event::Established(ip, c) => {
-                        let ours = matches!(promoter.explain(&ip).map(|e| e.state), Some(State::Connecting { .. }));
-                        let keep = if ours { promoter.connected(now, &ip); true } else { promoter.accepted(now, ip) };
-                        if !keep || live.contains_key(&ip) {
-                            tracing::debug!("{ip}: not keeping its connection (one exists, policy, or the plan is full)");
-                            c.close();
-                            continue;
-                        }
-                        routes.add(ip, Route { qp: c.qp.clone(), mtu: c.mtu });
-                        mark(&mut maps, ip, peer_mode::CM_UP)?;
-                        tracing::info!("{ip}: connected (QP {}, MTU {})", c.qp.qpn(), c.mtu);
-                        // Not under 1 s however short the fast path's deadline: a busy peer's
-                        // keepalive may come late.
-                        let dead_after = maps
-                            .policy()
-                            .map_or(Duration::from_secs(3), |p| Duration::from_nanos(p.heartbeat_timeout_ns))
-                            .max(Duration::from_secs(1));
-                        live.insert(ip, watch(ip, c, dead_after, ev_tx.clone()));
-                    }
-                    // Our REQ lost the crossing to the peer's, and the peer's connection is
-                    // already up (its Established came first): that one stands. (Seen in the
-                    // VM: taking this as a failure marked the peer UD and let the policy
-                    // count it out, so the node held one connection more than its plan.)
-                    Event::SetupFailed(ip, e) if live.contains_key(&ip) => {
-                        tracing::debug!("{ip}: our setup ended ({e}); the peer's connection stands");
-                    }
-                    Event::SetupFailed(ip, e) => {
-                        tracing::info!("{ip}: connection setup failed, UD for now: {e}");
-                        mark(&mut maps, ip, peer_mode::UD)?;
-                        promoter.failed(now, &ip, match e {
-                            SetupError::Rejected(RejectReason::NoResources | RejectReason::Busy)
-                            | SetupError::Busy
-                            | SetupError::Full => Failure::NoResources,
-                            SetupError::Rejected(_) | SetupError::Crossed | SetupError::InProgress | SetupError::WrongPeer { .. } => Failure::Rejected,
-                            SetupError::Timeout(_) => Failure::Timeout,
-                            _ => Failure::QpError,
-                        });
-                    }
-                    Event::Closed { ip, qpn, gone } => {
-                        stats.rx_by_qp.lock().expect("rx_by_qp").remove(&qpn);
-                        last_rx.remove(&qpn);
-                        match live.get(&ip) {
-                            // An older connection of a peer that has a new one: leave it be.
-                            Some(l) if l.qpn != qpn => continue,
-                            Some(_) => {
-                                live.remove(&ip);
-                            }
-                            None => {}
-                        }
-                        mark(&mut maps, ip, peer_mode::UD)?;
-                        routes.remove(&ip);
-                        match gone {
-                            Some(Gone::Closed) => {
-                                tracing::info!("{ip}: the peer closed its connection (QP {qpn})");
-                                promoter.closed(now, &ip);
-                            }
-                            // Alive at the IP level but not taking what we send: UD, retry later.
-                            Some(Gone::Silent) => {
-                                tracing::warn!("{ip}: the peer's control loop went silent: connection (QP {qpn}) closed, UD");
-                                promoter.failed(now, &ip, Failure::Timeout);
-                            }
-                            None => promoter.closed(now, &ip),
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    // Teardown: every peer UD first, then the connections, then the engine and the TUN.
-    for (ip, l) in live.drain() {
-        let _ = mark(&mut maps, ip, peer_mode::UD);
-        routes.remove(&ip);
-        let _ = l.close.send(());
-    }
-    // Let the watchers close their QPs.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    dev_stop.store(true, Ordering::Relaxed);
-    let _ = dev_thread.join();
-    let _ = engine_stop_tx.send(());
-    if let Ok((engine, r)) = engine_task.await {
-        drop(engine);
-        r?;
-    }
-    let _ = std::fs::remove_file(&opts.status_path);
-    if let Some(g) = gso_before.filter(|g| *g > u64::from(GSO_MAX_SIZE)) {
-        let _ = ip_cmd(
-            &iface,
-            &["link", "set", "dev", &iface, "gso_max_size", &g.to_string()],
-        );
-    }
-    tracing::info!("CM on {iface} stopped; every peer is on UD");
-    Ok(())
+    (t, events)
 }
 
-/// The live connection whose QP is `qpn` broke: it is removed and told to close. Returns its
-/// peer, whose map entry, route and policy state the caller sets.
-fn broken(live: &mut HashMap<IpAddr, Live>, qpn: u32) -> Option<IpAddr> {
-    let ip = live.iter().find(|(_, l)| l.qpn == qpn).map(|(ip, _)| *ip)?;
-    if let Some(l) = live.remove(&ip) {
-        let _ = l.close.send(());
-    }
-    Some(ip)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn cm_status(
-    promoter: &Promoter<IpAddr>,
-    live: &HashMap<IpAddr, Live>,
-    cm: &Cm,
-    stats: &EngineStats,
-    device: &str,
-    tun: &str,
-    srq_depth: u32,
-    max_connections: usize,
-) -> CmStatus {
-    let peers = promoter
-        .peers()
-        .filter_map(|(ip, _)| {
-            let e = promoter.explain(ip)?;
-            let state = match e.state {
-                State::Ud { .. } => "ud",
-                State::Connecting { .. } => "connecting",
-                State::Up { .. } => "cm",
-                State::Draining { .. } => "closing",
-                State::Backoff { .. } => "backoff",
-            };
-            Some(PeerStatus {
-                addr: *ip,
-                state: state.into(),
-                why: e.to_string(),
-                failures: e.failures,
-                promotions: e.promotions,
-            })
-        })
-        .collect();
-    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-    CmStatus {
-        device: device.into(),
-        tun: tun.into(),
-        srq_depth,
-        srq_low_events: 0,
-        max_connections,
-        mode: promoter.mode().to_string(),
-        connections: live.len(),
-        established: get(&cm.stats.established),
-        failed: get(&cm.stats.failed),
-        engine: stats
-            .snapshot()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect(),
-        peers,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ipoib_hardware_addresses_parse() {
-        let hw = parse_ipoib_hwaddr("80:00:00:48:fe:80:00:00:00:00:00:00:00:02:c9:03:00:12:34:56")
-            .unwrap();
-        assert_eq!(hw.ud_qpn, 0x48);
-        assert_eq!(hw.gid[0..2], [0xfe, 0x80]);
-        assert_eq!(hw.gid[15], 0x56);
-        assert!(parse_ipoib_hwaddr("00:11:22:33:44:55").is_none());
-        assert!(parse_ipoib_hwaddr("zz:00").is_none());
-    }
-
-    #[test]
-    fn lab_qpns_follow_the_last_byte() {
-        assert_eq!(lab_ud_qpn("10.77.0.2".parse().unwrap()), 0x102);
-        assert_eq!(lab_ud_qpn("fd77::1".parse().unwrap()), 0x101);
-    }
+/// The plan's cap, lowered by policy `max-connections` (read on every tick, so a change
+/// takes effect live).
+fn cap(iface: &str, plan_max: usize) -> usize {
+    crate::attach::read_state(iface)
+        .and_then(|s| s.max_connections)
+        .map_or(plan_max, |n| (n as usize).min(plan_max))
 }

@@ -19,6 +19,10 @@
 //! while no send slot is free. A send that completes in error reports
 //! [`EngineEvent::QpError`] once per QP.
 //!
+//! The engine owns its routes (destination address to connection) and its per-QP receive
+//! counts: the control plane changes routes with [`EngineCommand`]s through an
+//! [`EngineControl`] and hears back [`EngineEvent`]s, so no lock is taken per packet.
+//!
 //! Runs on tokio: AsyncFd on the TUN fd and on the CQ's completion channel.
 
 use std::{
@@ -27,19 +31,21 @@ use std::{
     net::IpAddr,
     os::fd::{AsRawFd, RawFd},
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
 };
 
 use ipoib_common::IPOIB_CM_MTU;
-use tokio::io::{Interest, unix::AsyncFd};
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    sync::{mpsc, oneshot},
+};
 
 use crate::{
-    cm::Resources,
     tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN},
-    verbs::{CompletionQueue, MemoryRegion, RcQueuePair, VerbsError},
+    verbs::{Completion, RcQueuePair, Resources, VerbsError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -85,11 +91,8 @@ pub struct EngineStats {
     /// Writes into the TUN device that failed.
     pub rx_tun_errors: AtomicU64,
     /// Connections the engine tracks sends for (a gauge; those whose connection is gone and
-    /// have nothing in flight are forgotten once a second).
+    /// have nothing in flight are forgotten at the next housekeeping).
     pub flows: AtomicU64,
-    /// Bytes received per QP (the control plane counts a connection that only receives as
-    /// active; it removes a QP's entry when the connection is gone).
-    pub rx_by_qp: Mutex<HashMap<u32, u64>>,
 }
 
 impl EngineStats {
@@ -150,20 +153,40 @@ pub struct Route {
     pub mtu: u32,
 }
 
-/// Destination address to connection: the control plane adds a route once the connection is
-/// established, and removes it before the QP is torn down.
-#[derive(Clone, Default)]
-pub struct Routes(Arc<Mutex<HashMap<IpAddr, Route>>>);
+/// What the control plane tells the engine.
+#[derive(Debug)]
+pub enum EngineCommand {
+    /// Send `ip`'s packets over this connection from now on; answered with
+    /// [`EngineEvent::RouteAdded`].
+    AddRoute { ip: IpAddr, route: Route },
+    /// Stop routing `ip` to QP `qpn` (if that is still its route), then fire `close`: the QP
+    /// may be torn down once nothing new is posted on it.
+    RemoveRoute {
+        ip: IpAddr,
+        qpn: u32,
+        close: Option<oneshot::Sender<()>>,
+    },
+}
 
-impl Routes {
-    pub fn add(&self, peer: IpAddr, route: Route) {
-        self.0.lock().expect("routes").insert(peer, route);
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Route(QP {}, MTU {})", self.qp.qpn(), self.mtu)
     }
-    pub fn remove(&self, peer: &IpAddr) -> Option<Route> {
-        self.0.lock().expect("routes").remove(peer)
+}
+
+/// The control plane's end of the engine's command channel (clone freely).
+#[derive(Clone)]
+pub struct EngineControl(mpsc::UnboundedSender<EngineCommand>);
+
+impl EngineControl {
+    pub fn add_route(&self, ip: IpAddr, route: Route) {
+        let _ = self.0.send(EngineCommand::AddRoute { ip, route });
     }
-    fn get(&self, peer: &IpAddr) -> Option<Route> {
-        self.0.lock().expect("routes").get(peer).cloned()
+
+    /// Removes `ip`'s route to `qpn`; `close` fires once it is gone (also when the engine
+    /// has stopped: the sender is then dropped, which a watcher takes as the same).
+    pub fn remove_route(&self, ip: IpAddr, qpn: u32, close: Option<oneshot::Sender<()>>) {
+        let _ = self.0.send(EngineCommand::RemoveRoute { ip, qpn, close });
     }
 }
 
@@ -199,6 +222,10 @@ pub enum EngineEvent {
     Congested(IpAddr),
     /// Its queue drained after [`EngineEvent::Congested`]: CM again.
     Drained(IpAddr),
+    /// The route of [`EngineCommand::AddRoute`] is in place.
+    RouteAdded { ip: IpAddr, qpn: u32 },
+    /// Bytes received so far on each routed QP (totals), sent when any changed.
+    Received(Vec<(u32, u64)>),
 }
 
 /// Per-connection send state, by QP number.
@@ -226,27 +253,22 @@ impl Flow {
 pub struct Engine {
     tun: Tun,
     core: Core,
+    commands: mpsc::UnboundedReceiver<EngineCommand>,
+    control: EngineControl,
 }
 
 /// Everything but the TUN device, so the TUN's readiness can be borrowed while packets move.
 struct Core {
     res: Arc<Resources>,
-    cq: Arc<CompletionQueue>,
-    send: Arc<MemoryRegion>,
-    routes: Routes,
     cfg: EngineConfig,
     stats: Arc<EngineStats>,
     free: Vec<u32>,
+    routes: HashMap<IpAddr, Route>,
     flows: HashMap<u32, Flow>,
-    events: Option<tokio::sync::mpsc::UnboundedSender<EngineEvent>>,
-}
-
-/// Reports `e` to the control plane, if it listens. (A free function over the field, so it
-/// can be called while a flow of the same core is borrowed.)
-fn tell(events: &Option<tokio::sync::mpsc::UnboundedSender<EngineEvent>>, e: EngineEvent) {
-    if let Some(tx) = events {
-        let _ = tx.send(e);
-    }
+    /// Bytes received per QP, and whether any changed since the last report.
+    rx_by_qp: HashMap<u32, u64>,
+    rx_changed: bool,
+    events: Option<mpsc::UnboundedSender<EngineEvent>>,
 }
 
 /// The destination address of an IP packet.
@@ -264,39 +286,41 @@ fn destination(pkt: &[u8]) -> Option<IpAddr> {
     }
 }
 
+/// How often flows of gone connections are forgotten and receive totals reported.
+const HOUSEKEEPING: Duration = Duration::from_millis(500);
+
 impl Engine {
-    /// `tun` must be non-blocking; `cq` must be the CQ of `res` (sends and receives), with a
-    /// completion channel; `send` is a region of send slots on `res.pd`, each at least one
-    /// CM message (65520 B). A packet longer than its connection's MTU is dropped and counted
-    /// (`tx_oversize`): the route's device must keep GSO packets below it (gso_max_size).
-    pub fn new(
-        tun: Tun,
-        res: Arc<Resources>,
-        cq: Arc<CompletionQueue>,
-        send: Arc<MemoryRegion>,
-        routes: Routes,
-        cfg: EngineConfig,
-    ) -> Result<Self, EngineError> {
-        if send.stride < u64::from(IPOIB_CM_MTU) {
+    /// `tun` must be non-blocking; `res` must have one CQ for sends and receives, with a
+    /// completion channel, and send slots of at least one CM message (65520 B). A packet
+    /// longer than its connection's MTU is dropped and counted (`tx_oversize`): the route's
+    /// device must keep GSO packets below it (gso_max_size).
+    pub fn new(tun: Tun, res: Arc<Resources>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        if res.send.stride < u64::from(IPOIB_CM_MTU) {
             return Err(EngineError::SlotTooSmall {
-                stride: send.stride,
+                stride: res.send.stride,
                 need: IPOIB_CM_MTU as usize,
             });
         }
-        let free = (0..send.count).rev().collect();
+        if res.recv_cq.channel_fd().is_none() || !Arc::ptr_eq(&res.send_cq, &res.recv_cq) {
+            return Err(EngineError::NoChannel);
+        }
+        let free = (0..res.send.count).rev().collect();
+        let (tx, commands) = mpsc::unbounded_channel();
         Ok(Self {
             tun,
             core: Core {
                 res,
-                cq,
-                send,
-                routes,
                 cfg,
                 stats: Arc::default(),
                 free,
+                routes: HashMap::new(),
                 flows: HashMap::new(),
+                rx_by_qp: HashMap::new(),
+                rx_changed: false,
                 events: None,
             },
+            commands,
+            control: EngineControl(tx),
         })
     }
 
@@ -304,78 +328,95 @@ impl Engine {
         self.core.stats.clone()
     }
 
-    /// Where QP errors and congestion are reported.
-    pub fn set_events(&mut self, tx: tokio::sync::mpsc::UnboundedSender<EngineEvent>) {
+    /// Where QP errors, congestion, routes added and receive totals are reported.
+    pub fn events(&mut self) -> mpsc::UnboundedReceiver<EngineEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
         self.core.events = Some(tx);
+        rx
     }
 
-    /// The table `transmit` looks connections up in (shared: add and remove from anywhere).
-    pub fn routes(&self) -> Routes {
-        self.core.routes.clone()
+    /// How the control plane adds and removes routes (commands are taken while `run` runs).
+    pub fn control(&self) -> EngineControl {
+        self.control.clone()
     }
 
     pub fn tun_name(&self) -> &str {
         self.tun.name()
     }
 
-    /// Runs until `stop` resolves (or an error). Completions and TUN packets are handled as
-    /// they come. Must be called inside a tokio runtime.
+    fn tun_err(&self) -> impl Fn(io::Error) -> EngineError + use<> {
+        let name = self.tun.name().to_string();
+        move |source| EngineError::Tun {
+            name: name.clone(),
+            source,
+        }
+    }
+
+    /// Runs until `stop` resolves (or an error). Commands, completions and TUN packets are
+    /// handled as they come. Must be called inside a tokio runtime.
     pub async fn run(
         &mut self,
         stop: impl std::future::Future<Output = ()>,
     ) -> Result<(), EngineError> {
-        let core = &mut self.core;
-        let tun_name = self.tun.name().to_string();
-        let tun_err = |source| EngineError::Tun {
-            name: tun_name.clone(),
-            source,
-        };
-        let fd = core.cq.channel_fd().ok_or(EngineError::NoChannel)?;
+        let tun_err = self.tun_err();
+        let fd = self
+            .core
+            .res
+            .recv_cq
+            .channel_fd()
+            .ok_or(EngineError::NoChannel)?;
         // SAFETY: both fds stay open for as long as the AsyncFds live: the channel is owned by
-        // `core.cq` and the TUN fd by `self.tun`, both outliving this function's locals.
+        // the CQ in `core.res` and the TUN fd by `self.tun`, both outliving this function.
         let channel = unsafe { AsyncFd::register_with_interest(RawFdRef(fd), Interest::READABLE) }
             .map_err(|e| tun_err(e.into_parts().1))?;
         let tun = unsafe {
             AsyncFd::register_with_interest(RawFdRef(self.tun.as_raw_fd()), Interest::READABLE)
         }
         .map_err(|e| tun_err(e.into_parts().1))?;
-        core.cq.arm()?;
-        core.completions(&self.tun)?;
+        self.core.res.recv_cq.arm()?;
+        self.core.completions(&self.tun)?;
         tokio::pin!(stop);
         let mut buf = vec![0u8; TUN_READ_MAX];
-        let mut housekeeping = tokio::time::interval(Duration::from_secs(1));
+        let mut housekeeping = tokio::time::interval(HOUSEKEEPING);
         housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let can_send = !core.free.is_empty();
+            let can_send = !self.core.free.is_empty();
             tokio::select! {
                 _ = &mut stop => return Ok(()),
-                _ = housekeeping.tick() => core.forget_stale_flows(),
+                Some(c) = self.commands.recv() => self.core.command(c),
+                _ = housekeeping.tick() => self.core.housekeeping(),
                 g = channel.readable() => {
-                    let mut g = g.map_err(tun_err)?;
-                    while core.cq.wait(Duration::ZERO)? {}
+                    let mut g = g.map_err(&tun_err)?;
+                    let cq = &self.core.res.recv_cq;
+                    while cq.wait(Duration::ZERO)? {}
                     g.clear_ready();
-                    core.cq.arm()?;
-                    core.completions(&self.tun)?;
+                    cq.arm()?;
+                    self.core.completions(&self.tun)?;
                 }
                 g = tun.readable(), if can_send => {
-                    let mut g = g.map_err(tun_err)?;
-                    // A batch, then back to the completions.
-                    for _ in 0..64 {
-                        if core.free.is_empty() {
-                            break;
-                        }
-                        match self.tun.recv(&mut buf) {
-                            Ok(n) => core.transmit(&buf[..n])?,
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                                g.clear_ready();
-                                break;
-                            }
-                            Err(e) => return Err(tun_err(e)),
-                        }
+                    let mut g = g.map_err(&tun_err)?;
+                    if self.read_batch(&mut buf).map_err(&tun_err)? {
+                        g.clear_ready();
                     }
                 }
             }
         }
+    }
+
+    /// Up to 64 packets from the TUN device, each to its connection; true when the device
+    /// has no more (its readiness is then cleared).
+    fn read_batch(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        for _ in 0..64 {
+            if self.core.free.is_empty() {
+                return Ok(false);
+            }
+            match self.tun.recv(buf) {
+                Ok(n) => self.core.transmit(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -384,42 +425,67 @@ impl Core {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    fn tell(&self, e: EngineEvent) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(e);
+        }
+    }
+
+    fn command(&mut self, c: EngineCommand) {
+        match c {
+            EngineCommand::AddRoute { ip, route } => {
+                let qpn = route.qp.qpn();
+                self.routes.insert(ip, route);
+                self.tell(EngineEvent::RouteAdded { ip, qpn });
+            }
+            EngineCommand::RemoveRoute { ip, qpn, close } => {
+                if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
+                    self.routes.remove(&ip);
+                }
+                self.rx_by_qp.remove(&qpn);
+                if let Some(close) = close {
+                    let _ = close.send(());
+                }
+            }
+        }
+    }
+
     /// Forgets the flows of connections that are gone (no longer routed to their QP) and have
     /// nothing in flight or waiting: a connection closed while idle gets no completion that
-    /// would remove its flow.
-    fn forget_stale_flows(&mut self) {
+    /// would remove its flow. Reports the receive totals when they changed.
+    fn housekeeping(&mut self) {
         let routes = &self.routes;
-        self.flows.retain(|qpn, f| {
-            f.in_flight > 0
-                || !f.waiting.is_empty()
-                || routes.get(&f.dst).is_some_and(|r| r.qp.qpn() == *qpn)
-        });
+        let routed = |ip: &IpAddr, qpn: u32| routes.get(ip).is_some_and(|r| r.qp.qpn() == qpn);
+        self.flows
+            .retain(|qpn, f| f.in_flight > 0 || !f.waiting.is_empty() || routed(&f.dst, *qpn));
+        self.rx_by_qp
+            .retain(|qpn, _| routes.values().any(|r| r.qp.qpn() == *qpn));
         self.stats
             .flows
             .store(self.flows.len() as u64, Ordering::Relaxed);
+        if std::mem::take(&mut self.rx_changed) {
+            let totals = self.rx_by_qp.iter().map(|(q, b)| (*q, *b)).collect();
+            self.tell(EngineEvent::Received(totals));
+        }
     }
 
     /// One packet read from the TUN device: to its connection.
-    fn transmit(&mut self, msg: &[u8]) -> Result<(), EngineError> {
+    fn transmit(&mut self, msg: &[u8]) {
         let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
-            Self::count(&self.stats.tx_malformed);
-            return Ok(());
+            return Self::count(&self.stats.tx_malformed);
         };
         let multicast = match dst {
             IpAddr::V4(a) => a.is_multicast() || a.is_broadcast(),
             IpAddr::V6(a) => a.is_multicast(),
         };
         if multicast {
-            Self::count(&self.stats.tx_multicast);
-            return Ok(());
+            return Self::count(&self.stats.tx_multicast);
         }
         let Some(route) = self.routes.get(&dst) else {
-            Self::count(&self.stats.tx_no_connection);
-            return Ok(());
+            return Self::count(&self.stats.tx_no_connection);
         };
         if msg.len() > route.mtu as usize {
-            Self::count(&self.stats.tx_oversize);
-            return Ok(());
+            return Self::count(&self.stats.tx_oversize);
         }
         let qpn = route.qp.qpn();
         let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(dst));
@@ -430,129 +496,125 @@ impl Core {
             if !flow.congested {
                 flow.congested = true;
                 Self::count(&self.stats.tx_congested);
-                tell(&self.events, EngineEvent::Congested(dst));
+                self.tell(EngineEvent::Congested(dst));
             }
-            return Ok(());
+            return;
         }
         let Some(slot) = self.free.pop() else {
-            Self::count(&self.stats.tx_backpressure);
-            return Ok(());
+            return Self::count(&self.stats.tx_backpressure);
         };
+        let send = &self.res.send;
         // SAFETY: the slot was free: nothing posted uses it until its send completes.
-        unsafe { self.send.slot(slot)[..msg.len()].copy_from_slice(msg) };
+        unsafe { send.slot(slot)[..msg.len()].copy_from_slice(msg) };
         if full {
             flow.waiting.push_back((slot, msg.len() as u32));
-            return Ok(());
+            return;
         }
         flow.in_flight += 1;
         if let Err(e) = route
             .qp
-            .post_send(&self.send, slot, msg.len() as u32, u64::from(slot))
+            .post_send(send, slot, msg.len() as u32, u64::from(slot))
         {
             flow.in_flight -= 1;
             self.free.push(slot);
             Self::count(&self.stats.send_errors);
             tracing::debug!("post_send to {dst}: {e}");
-            return Ok(());
+            return;
         }
         self.stats.sent(msg.len());
-        Ok(())
     }
 
-    /// Takes every completion: receives into the TUN device (buffers posted again), sends free
-    /// their slot and let a waiting packet of the same connection go.
+    /// Takes every completion: receives and sends apart.
     fn completions(&mut self, tun: &Tun) -> Result<(), EngineError> {
         let mut wcs = Vec::with_capacity(64);
+        let mut repost = Vec::with_capacity(64);
         loop {
-            let n = self.cq.poll(&mut wcs, 64)?;
-            if n == 0 {
+            if self.res.recv_cq.poll(&mut wcs, 64)? == 0 {
                 return Ok(());
             }
-            let srq = &self.res.srq;
-            let mut repost = Vec::new();
             for wc in &wcs {
-                let slot = wc.wr_id as u32;
                 if wc.recv {
-                    srq.completed(1);
-                    if wc.error.is_some() {
-                        Self::count(&self.stats.rx_errors);
-                    } else {
-                        // SAFETY: the receive completed; the slot is ours until posted again.
-                        let msg = unsafe { &srq.region.slot(slot)[..wc.bytes as usize] };
-                        match tun.send(msg) {
-                            Ok(_) => {
-                                self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
-                                self.stats
-                                    .rx_bytes
-                                    .fetch_add(u64::from(wc.bytes), Ordering::Relaxed);
-                                *self
-                                    .stats
-                                    .rx_by_qp
-                                    .lock()
-                                    .expect("rx_by_qp")
-                                    .entry(wc.qp_num)
-                                    .or_default() += u64::from(wc.bytes);
-                            }
-                            Err(_) => Self::count(&self.stats.rx_tun_errors),
-                        }
-                    }
-                    repost.push(slot);
-                    continue;
-                }
-                if wc.error.is_some() {
-                    Self::count(&self.stats.send_errors);
-                }
-                self.free.push(slot);
-                let Some(flow) = self.flows.get_mut(&wc.qp_num) else {
-                    continue;
-                };
-                flow.in_flight = flow.in_flight.saturating_sub(1);
-                if let Some(status) = wc.error {
-                    // The QP is in error: what waits for it can never go; free it.
-                    for (s, _) in flow.waiting.drain(..) {
-                        self.free.push(s);
-                        Self::count(&self.stats.tx_backpressure);
-                    }
-                    if !flow.dead {
-                        flow.dead = true;
-                        let e = EngineEvent::QpError {
-                            qpn: wc.qp_num,
-                            status,
-                        };
-                        tell(&self.events, e);
-                    }
-                    if flow.in_flight == 0 {
-                        // Every send of the dead QP is back: forget it.
-                        self.flows.remove(&wc.qp_num);
-                    }
-                    continue;
-                }
-                if let Some((s, len)) = flow.waiting.pop_front() {
-                    // The flow's own destination, still routed to this QP.
-                    let qp = self
-                        .routes
-                        .get(&flow.dst)
-                        .filter(|r| r.qp.qpn() == wc.qp_num)
-                        .map(|r| r.qp);
-                    match qp.map(|qp| qp.post_send(&self.send, s, len, u64::from(s))) {
-                        Some(Ok(())) => {
-                            flow.in_flight += 1;
-                            self.stats.sent(len as usize);
-                        }
-                        _ => {
-                            self.free.push(s);
-                            Self::count(&self.stats.tx_no_connection);
-                        }
-                    }
-                }
-                if flow.congested && flow.waiting.is_empty() {
-                    flow.congested = false;
-                    tell(&self.events, EngineEvent::Drained(flow.dst));
+                    self.on_receive(tun, wc);
+                    repost.push(wc.wr_id as u32);
+                } else {
+                    self.on_send_done(wc);
                 }
             }
             if !repost.is_empty() {
-                srq.post_slots(&repost)?;
+                self.res.srq.post_slots(&repost)?;
+                repost.clear();
             }
+        }
+    }
+
+    /// A receive completed: its message into the TUN device (the caller posts the buffer
+    /// again).
+    fn on_receive(&mut self, tun: &Tun, wc: &Completion) {
+        let srq = &self.res.srq;
+        srq.completed(1);
+        if wc.error.is_some() {
+            return Self::count(&self.stats.rx_errors);
+        }
+        // SAFETY: the receive completed; the slot is ours until posted again.
+        let msg = unsafe { &srq.region.slot(wc.wr_id as u32)[..wc.bytes as usize] };
+        if tun.send(msg).is_err() {
+            return Self::count(&self.stats.rx_tun_errors);
+        }
+        self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
+        let bytes = u64::from(wc.bytes);
+        self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
+        *self.rx_by_qp.entry(wc.qp_num).or_default() += bytes;
+        self.rx_changed = true;
+    }
+
+    /// A send completed: its slot is free, and a waiting packet of the same connection goes.
+    /// In error, the QP is dead: what waits for it is dropped and it is reported once.
+    fn on_send_done(&mut self, wc: &Completion) {
+        if wc.error.is_some() {
+            Self::count(&self.stats.send_errors);
+        }
+        self.free.push(wc.wr_id as u32);
+        let Some(flow) = self.flows.get_mut(&wc.qp_num) else {
+            return;
+        };
+        flow.in_flight = flow.in_flight.saturating_sub(1);
+        if let Some(status) = wc.error {
+            for (s, _) in flow.waiting.drain(..) {
+                self.free.push(s);
+                Self::count(&self.stats.tx_backpressure);
+            }
+            let first = !std::mem::replace(&mut flow.dead, true);
+            if flow.in_flight == 0 {
+                // Every send of the dead QP is back: forget it.
+                self.flows.remove(&wc.qp_num);
+            }
+            if first {
+                let qpn = wc.qp_num;
+                self.tell(EngineEvent::QpError { qpn, status });
+            }
+            return;
+        }
+        if let Some((s, len)) = flow.waiting.pop_front() {
+            // The flow's own destination, still routed to this QP.
+            let route = self
+                .routes
+                .get(&flow.dst)
+                .filter(|r| r.qp.qpn() == wc.qp_num);
+            match route.map(|r| r.qp.post_send(&self.res.send, s, len, u64::from(s))) {
+                Some(Ok(())) => {
+                    flow.in_flight += 1;
+                    self.stats.sent(len as usize);
+                }
+                _ => {
+                    self.free.push(s);
+                    Self::count(&self.stats.tx_no_connection);
+                }
+            }
+        }
+        if flow.congested && flow.waiting.is_empty() {
+            flow.congested = false;
+            let dst = flow.dst;
+            self.tell(EngineEvent::Drained(dst));
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod attach;
 pub mod clock;
 pub mod cm;
 pub mod connmgr;
+pub mod daemon;
 pub mod datapath;
 pub mod engine;
 pub mod maps;

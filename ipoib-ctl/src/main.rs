@@ -6,11 +6,10 @@ use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
 use ipoib_ctl::{
     attach::{self, AttachError},
-    clock::monotonic_ns,
-    connmgr,
+    connmgr, daemon,
     netdev::Netdev,
     policy::PolicyChange,
-    signals, status,
+    status,
 };
 
 /// Exit codes scripts can rely on.
@@ -168,55 +167,24 @@ fn cm_options(
     args: &CmArgs,
     att: &attach::Attached,
 ) -> Result<Option<connmgr::CmOptions>> {
-    use connmgr::{CmOptions, Resolve, lab_ud_qpn, parse_ipoib_hwaddr};
+    use ipoib_ctl::{connmgr::CmOptions, netdev::Resolve};
     if args.no_cm {
         return Ok(None);
     }
-    let device = match &args.cm_device {
-        Some(d) => d.clone(),
-        None => {
-            let hca = std::fs::read_dir(format!("/sys/class/net/{iface}/device/infiniband"))
-                .ok()
-                .and_then(|mut d| d.next())
-                .and_then(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned());
-            match hca {
-                Some(d) if dev.is_ipoib() => d,
-                _ => {
-                    tracing::info!(
-                        "no RDMA device under {iface}: every peer on UD (--cm-device DEV to use one)"
-                    );
-                    return Ok(None);
-                }
-            }
-        }
+    let Some(device) = cm_device(iface, dev, args) else {
+        tracing::info!(
+            "no RDMA device under {iface}: every peer on UD (--cm-device DEV to use one)"
+        );
+        return Ok(None);
     };
-    let (resolve, ud_qpn) = if dev.is_ipoib() {
-        let qpn = match args.ud_qpn {
-            Some(q) => q,
-            None => {
-                let addr = ipoib_ctl::netdev::link_attr(iface, "address")?;
-                let addr = addr.as_ref().and_then(|a| a.as_str()).unwrap_or_default();
-                parse_ipoib_hwaddr(addr)
-                    .with_context(|| format!("{iface}: `{addr}` is no IPoIB hardware address"))?
-                    .ud_qpn
-            }
-        };
-        (Resolve::Neighbour(iface.to_string()), qpn)
+    let ud_qpn = match args.ud_qpn {
+        Some(q) => q,
+        None => own_ud_qpn(iface, dev)?,
+    };
+    let resolve = if dev.is_ipoib() {
+        Resolve::Neighbour(iface.to_string())
     } else {
-        let qpn = match args.ud_qpn {
-            Some(q) => q,
-            None => {
-                let ip = ipoib_ctl::netdev::ipv4_addrs(iface)?
-                    .first()
-                    .copied()
-                    .with_context(|| {
-                        format!("{iface} has no IPv4 address for the lab's UD QPN (or --ud-qpn)")
-                    })?;
-                lab_ud_qpn(ip.into())
-            }
-        };
-        (Resolve::Lab, qpn)
+        Resolve::Lab
     };
     let ctl_port = att
         .maps
@@ -232,13 +200,42 @@ fn cm_options(
         memory_budget: att.state.memory_budget,
         send_slots: 256,
         tick: Duration::from_secs(1),
-        status_path: PathBuf::from(attach::RUN_DIR).join(format!("{iface}.cm.json")),
+        status_path: connmgr::status_path(iface),
         promotion: ipoib_ctl::promotion::Config {
             idle_after: Duration::from_secs_f64(args.cm_idle_after),
             min_hold: Duration::from_secs_f64(args.cm_min_hold),
             ..Default::default()
         },
     }))
+}
+
+/// The RDMA device for connected mode: `--cm-device`, or the HCA under an IPoIB interface.
+fn cm_device(iface: &str, dev: &Netdev, args: &CmArgs) -> Option<String> {
+    if let Some(d) = &args.cm_device {
+        return Some(d.clone());
+    }
+    if !dev.is_ipoib() {
+        return None;
+    }
+    ipoib_ctl::netdev::hca_under(iface)
+}
+
+/// Our own UD QPN: in the IPoIB hardware address, or the lab's stand-in on Ethernet.
+fn own_ud_qpn(iface: &str, dev: &Netdev) -> Result<u32> {
+    if dev.is_ipoib() {
+        let addr = ipoib_ctl::netdev::link_attr(iface, "address")?;
+        let addr = addr.as_ref().and_then(|a| a.as_str()).unwrap_or_default();
+        let hw = ipoib_ctl::netdev::parse_ipoib_hwaddr(addr)
+            .with_context(|| format!("{iface}: `{addr}` is no IPoIB hardware address"))?;
+        return Ok(hw.ud_qpn);
+    }
+    let ip = ipoib_ctl::netdev::ipv4_addrs(iface)?
+        .first()
+        .copied()
+        .with_context(|| {
+            format!("{iface} has no IPv4 address for the lab's UD QPN (or --ud-qpn)")
+        })?;
+    Ok(ipoib_ctl::netdev::lab_ud_qpn(ip.into()))
 }
 
 /// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.
@@ -288,73 +285,13 @@ fn control_loop(
     change: Option<&PolicyChange>,
     cm_args: &CmArgs,
 ) -> Result<()> {
-    let mut att = attach::attach(dev, change)?;
+    let att = attach::attach(dev, change)?;
     // Connected mode: explicit (--cm-device) must work; found by itself, it may fail to UD.
-    let cm = match cm_options(iface, dev, cm_args, &att)? {
-        Some(opts) => match connmgr::start(iface, attach::pin_dir(iface), opts) {
-            Ok(h) => Some(h),
-            Err(e) if cm_args.cm_device.is_none() => {
-                tracing::warn!("connected mode unavailable on {iface}, every peer on UD: {e}");
-                None
-            }
-            Err(e) => return Err(anyhow!(e).context("starting connected mode")),
-        },
-        None => None,
-    };
-    // Only now is this loop running: whoever waits for it (status: loop_pid) finds connected
-    // mode set up, and the entries a killed predecessor left CM_UP already reset.
-    att.state.loop_pid = Some(std::process::id());
-    attach::write_state(&att.state)?;
-    tracing::info!(
-        "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
-        if att.adopted { "adopted" } else { "attached" },
-        dev.ifindex,
-        att.state.egress,
-        att.state.xdp_mode
-    );
-    signals::stop_on_sigint_sigterm();
-    let mut detached = false;
-    while !signals::stop_requested() {
-        if !attach::is_attached(iface) {
-            detached = true;
-            break;
-        }
-        let timeout = att
-            .maps
-            .policy()
-            .map(|p| p.heartbeat_timeout_ns)
-            .unwrap_or(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
-        att.maps.beat(monotonic_ns())?;
-        if let Some(dp) = att.datapath.as_mut() {
-            dp.flush_logs();
-        }
-        // Four beats per deadline, at most one a second; sleep in short steps for signals.
-        let interval = Duration::from_nanos(timeout / 4)
-            .clamp(Duration::from_millis(20), Duration::from_secs(1));
-        let step = Duration::from_millis(20);
-        let mut slept = Duration::ZERO;
-        while slept < interval && !signals::stop_requested() {
-            std::thread::sleep(step);
-            slept += step;
-        }
-    }
-    if let Some(h) = cm
-        && let Err(e) = h.stop()
-    {
-        tracing::warn!("stopping connected mode on {iface}: {e}");
-    }
-    if detached || !attach::is_attached(iface) {
-        tracing::info!("{iface} was detached; control loop exits");
-        return Ok(());
-    }
-    if let Some(mut s) = attach::read_state(iface) {
-        s.loop_pid = None;
-        attach::write_state(&s)?;
-    }
-    tracing::info!(
-        "control loop stopped; the datapath stays attached to {iface} and goes UD once the \
-         heartbeat is stale (`ipoib-ctl detach {iface}` removes it)"
-    );
+    let cm = cm_options(iface, dev, cm_args, &att)?.map(|options| daemon::CmSetup {
+        options,
+        required: cm_args.cm_device.is_some(),
+    });
+    daemon::run(iface, att, cm)?;
     Ok(())
 }
 
@@ -383,52 +320,9 @@ fn run(cli: Cli) -> Result<()> {
             println!("detached {iface}; traffic continues on the kernel's own path");
             Ok(())
         }
-        Cmd::SetPolicy { iface, settings } => {
-            let change = PolicyChange::parse(&settings)?;
-            let mut maps = attach::open(&iface)?;
-            let mut state = attach::read_state(&iface).ok_or_else(|| AttachError::NotAttached {
-                iface: iface.clone(),
-                dir: attach::pin_dir(&iface),
-            })?;
-            let p = attach::set_policy(&mut maps, &mut state, &change)?;
-            println!(
-                "{iface}: {}",
-                status::PolicyView::new(&p, Some(&state)).render()
-            );
-            Ok(())
-        }
-        Cmd::ShowPolicy { iface, json } => {
-            let maps = attach::open(&iface)?;
-            let view =
-                status::PolicyView::new(&maps.policy()?, attach::read_state(&iface).as_ref());
-            if json {
-                print_json(&view)
-            } else {
-                println!("{iface}: {}", view.render());
-                Ok(())
-            }
-        }
-        Cmd::Status { iface, json } => {
-            let ifaces = match iface {
-                Some(i) => vec![i],
-                None => attached_ifaces(),
-            };
-            let all: Vec<_> = ifaces
-                .iter()
-                .map(|i| status::gather(i))
-                .collect::<Result<_, _>>()?;
-            if json {
-                print_json(&all)
-            } else {
-                if all.is_empty() {
-                    println!("no interface is attached (ipoib-ctl attach IFACE)");
-                }
-                for s in &all {
-                    print!("{}", status::render(s));
-                }
-                Ok(())
-            }
-        }
+        Cmd::SetPolicy { iface, settings } => cmd_set_policy(&iface, &settings),
+        Cmd::ShowPolicy { iface, json } => cmd_show_policy(&iface, json),
+        Cmd::Status { iface, json } => cmd_status(iface, json),
         Cmd::Caps {
             json,
             memory_budget,
@@ -445,8 +339,54 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+fn cmd_set_policy(iface: &str, settings: &[String]) -> Result<()> {
+    let change = PolicyChange::parse(settings)?;
+    let mut maps = attach::open(iface)?;
+    let mut state = attach::read_state(iface).ok_or_else(|| AttachError::NotAttached {
+        iface: iface.to_string(),
+        dir: attach::pin_dir(iface),
+    })?;
+    let p = attach::set_policy(&mut maps, &mut state, &change)?;
+    println!(
+        "{iface}: {}",
+        status::PolicyView::new(&p, Some(&state)).render()
+    );
+    Ok(())
+}
+
+fn cmd_show_policy(iface: &str, json: bool) -> Result<()> {
+    let maps = attach::open(iface)?;
+    let view = status::PolicyView::new(&maps.policy()?, attach::read_state(iface).as_ref());
+    if json {
+        return print_json(&view);
+    }
+    println!("{iface}: {}", view.render());
+    Ok(())
+}
+
+fn cmd_status(iface: Option<String>, json: bool) -> Result<()> {
+    let ifaces = match iface {
+        Some(i) => vec![i],
+        None => attached_ifaces(),
+    };
+    let all: Vec<_> = ifaces
+        .iter()
+        .map(|i| status::gather(i))
+        .collect::<Result<_, _>>()?;
+    if json {
+        return print_json(&all);
+    }
+    if all.is_empty() {
+        println!("no interface is attached (ipoib-ctl attach IFACE)");
+    }
+    for s in &all {
+        print!("{}", status::render(s));
+    }
+    Ok(())
+}
+
 fn caps(json: bool, memory_budget: Option<&str>) -> Result<()> {
-    use ipoib_ctl::{plan, policy::format_size, verbs};
+    use ipoib_ctl::{plan, verbs};
     let budget = match memory_budget {
         Some(v) => Some(
             PolicyChange::parse(&[format!("memory-budget={v}")])?
@@ -469,50 +409,59 @@ fn caps(json: bool, memory_budget: Option<&str>) -> Result<()> {
         return print_json(&serde_json::json!({ "system_memory": mem, "devices": v }));
     }
     for (d, p) in &planned {
-        println!(
-            "{}: fw {} node_guid {} max_qp {} max_qp_wr {} max_cqe {} max_sge {}",
-            d.name, d.fw_ver, d.node_guid, d.max_qp, d.max_qp_wr, d.max_cqe, d.max_sge
-        );
-        if d.srq() {
-            println!(
-                "  srq: yes (max_srq {}, max_srq_wr {}, max_srq_sge {})",
-                d.max_srq, d.max_srq_wr, d.max_srq_sge
-            );
-        } else {
-            println!("  srq: no");
-        }
-        for port in &d.ports {
-            println!(
-                "  port {}: {}, active_mtu {} (max {}), link_layer {}, lid {}, {} GIDs",
-                port.port,
-                port.state,
-                port.active_mtu,
-                port.max_mtu,
-                port.link_layer,
-                port.lid,
-                port.gids.len()
-            );
-            for g in &port.gids {
-                println!("    gid {g}");
-            }
-        }
-        println!(
-            "  memory plan ({:?}): {}\n    uses {} of a {} budget ({}); buffer {} B, cm mtu {}",
-            p.kind,
-            p.why,
-            format_size(p.memory_bytes),
-            format_size(p.budget_bytes),
-            p.budget_source,
-            p.buffer_bytes,
-            p.cm_mtu
-        );
-        println!(
-            "    the kernel: {} with SRQ; without SRQ {} at 4096 peers",
-            format_size(plan::kernel_memory(4096, true)),
-            format_size(plan::kernel_memory(4096, false))
-        );
+        print_device(d);
+        print_plan(p);
     }
     Ok(())
+}
+
+fn print_device(d: &ipoib_ctl::verbs::DeviceCaps) {
+    println!(
+        "{}: fw {} node_guid {} max_qp {} max_qp_wr {} max_cqe {} max_sge {}",
+        d.name, d.fw_ver, d.node_guid, d.max_qp, d.max_qp_wr, d.max_cqe, d.max_sge
+    );
+    if d.srq() {
+        println!(
+            "  srq: yes (max_srq {}, max_srq_wr {}, max_srq_sge {})",
+            d.max_srq, d.max_srq_wr, d.max_srq_sge
+        );
+    } else {
+        println!("  srq: no");
+    }
+    for port in &d.ports {
+        println!(
+            "  port {}: {}, active_mtu {} (max {}), link_layer {}, lid {}, {} GIDs",
+            port.port,
+            port.state,
+            port.active_mtu,
+            port.max_mtu,
+            port.link_layer,
+            port.lid,
+            port.gids.len()
+        );
+        for g in &port.gids {
+            println!("    gid {g}");
+        }
+    }
+}
+
+fn print_plan(p: &ipoib_ctl::plan::Plan) {
+    use ipoib_ctl::{plan, policy::format_size};
+    println!(
+        "  memory plan ({:?}): {}\n    uses {} of a {} budget ({}); buffer {} B, cm mtu {}",
+        p.kind,
+        p.why,
+        format_size(p.memory_bytes),
+        format_size(p.budget_bytes),
+        p.budget_source,
+        p.buffer_bytes,
+        p.cm_mtu
+    );
+    println!(
+        "    the kernel: {} with SRQ; without SRQ {} at 4096 peers",
+        format_size(plan::kernel_memory(4096, true)),
+        format_size(plan::kernel_memory(4096, false))
+    );
 }
 
 fn exit_code(e: &anyhow::Error) -> u8 {

@@ -2,9 +2,16 @@
 //! caller's network namespace (ioctls on a socket; /sys/class/net would show the namespace
 //! sysfs was mounted in, which under `nsenter --net` is not ours).
 
-use std::{ffi::CString, io, net::Ipv4Addr, os::fd::AsRawFd as _};
+use std::{
+    ffi::CString,
+    io,
+    net::{IpAddr, Ipv4Addr},
+    os::fd::AsRawFd as _,
+};
 
 use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND};
+
+use crate::cm::HwAddr;
 
 pub const ARPHRD_LOOPBACK: u16 = 772;
 
@@ -142,6 +149,97 @@ impl Netdev {
     }
 }
 
+/// The RDMA device under an IPoIB interface (`/sys/class/net/IFACE/device/infiniband/*`).
+pub fn hca_under(iface: &str) -> Option<String> {
+    std::fs::read_dir(format!("/sys/class/net/{iface}/device/infiniband"))
+        .ok()?
+        .flatten()
+        .next()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+}
+
+/// `ip ARGS` in this network namespace (a change: an address, a link setting).
+pub fn ip(args: &[&str]) -> Result<(), NetdevError> {
+    let cmd = || format!("ip {}", args.join(" "));
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| NetdevError::Ip {
+            cmd: cmd(),
+            stderr: spawn_error(&e),
+        })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(NetdevError::Ip {
+        cmd: cmd(),
+        stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+    })
+}
+
+fn spawn_error(e: &io::Error) -> String {
+    if e.kind() == io::ErrorKind::NotFound {
+        "`ip` is not installed (Debian package iproute2)".into()
+    } else {
+        e.to_string()
+    }
+}
+
+/// The interface's gso_max_size, from `ip -d -j link`.
+pub fn gso_max_size(iface: &str) -> Option<u64> {
+    link_attr(iface, "gso_max_size").ok()??.as_u64()
+}
+
+/// How a peer's IPoIB hardware address (GID and UD QPN) is found from its IP address.
+#[derive(Debug, Clone)]
+pub enum Resolve {
+    /// IPoIB: the neighbour table of this interface (the 20-byte link-layer address).
+    Neighbour(String),
+    /// The lab (Ethernet, one soft-RoCE device shared by every node): the peer's GID is our
+    /// own and its UD QPN is [`lab_ud_qpn`] of its address.
+    Lab,
+}
+
+/// The lab's stand-in UD QPN of a node: 0x100 plus the last byte of its address.
+pub fn lab_ud_qpn(ip: IpAddr) -> u32 {
+    let last = match ip {
+        IpAddr::V4(a) => a.octets()[3],
+        IpAddr::V6(a) => a.octets()[15],
+    };
+    0x100 + u32::from(last)
+}
+
+/// Parses a 20-byte IPoIB hardware address (`80:00:00:48:fe:80:...`): flags, QPN, GID.
+pub fn parse_ipoib_hwaddr(s: &str) -> Option<HwAddr> {
+    let b: Vec<u8> = s
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16))
+        .collect::<Result<_, _>>()
+        .ok()?;
+    if b.len() != 20 {
+        return None;
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&b[4..]);
+    Some(HwAddr {
+        gid,
+        ud_qpn: u32::from_be_bytes([0, b[1], b[2], b[3]]),
+    })
+}
+
+impl Resolve {
+    /// The peer's GID and UD QPN; `own_gid` is the lab's stand-in.
+    pub async fn peer(&self, ip: IpAddr, own_gid: [u8; 16]) -> Option<HwAddr> {
+        match self {
+            Resolve::Lab => Some(HwAddr {
+                gid: own_gid,
+                ud_qpn: lab_ud_qpn(ip),
+            }),
+            Resolve::Neighbour(iface) => parse_ipoib_hwaddr(&neighbour(iface, ip).await?),
+        }
+    }
+}
+
 /// `ip -j ARGS`, parsed, in this network namespace: what the ioctls above do not give (an
 /// interface's addresses, its detailed link attributes, its neighbours).
 pub fn ip_json(args: &[&str]) -> Result<serde_json::Value, NetdevError> {
@@ -169,11 +267,7 @@ fn parse_ip_output(
     let cmd = format!("ip -j {}", args.join(" "));
     let out = out.map_err(|e| NetdevError::Ip {
         cmd: cmd.clone(),
-        stderr: if e.kind() == io::ErrorKind::NotFound {
-            "`ip` is not installed (Debian package iproute2)".into()
-        } else {
-            e.to_string()
-        },
+        stderr: spawn_error(&e),
     })?;
     if !out.status.success() {
         return Err(NetdevError::Ip {
@@ -221,6 +315,23 @@ pub async fn neighbour(iface: &str, ip: std::net::IpAddr) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipoib_hardware_addresses_parse() {
+        let hw = parse_ipoib_hwaddr("80:00:00:48:fe:80:00:00:00:00:00:00:00:02:c9:03:00:12:34:56")
+            .unwrap();
+        assert_eq!(hw.ud_qpn, 0x48);
+        assert_eq!(hw.gid[0..2], [0xfe, 0x80]);
+        assert_eq!(hw.gid[15], 0x56);
+        assert!(parse_ipoib_hwaddr("00:11:22:33:44:55").is_none());
+        assert!(parse_ipoib_hwaddr("zz:00").is_none());
+    }
+
+    #[test]
+    fn lab_qpns_follow_the_last_byte() {
+        assert_eq!(lab_ud_qpn("10.77.0.2".parse().unwrap()), 0x102);
+        assert_eq!(lab_ud_qpn("fd77::1".parse().unwrap()), 0x101);
+    }
 
     #[test]
     fn ipv4_addresses_are_read_from_ip_json() {

@@ -5,7 +5,7 @@
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, str::FromStr, time::Duration};
 
-use ipoib_common::{IPOIB_CM_MTU, Policy, global_mode, peer_pin};
+use ipoib_common::{IPOIB_CM_MTU, Policy, global_mode};
 
 /// Bounds of each setting, documented in `set-policy --help`.
 pub const CM_THRESHOLD_MIN: u32 = 64;
@@ -80,46 +80,8 @@ impl fmt::Display for Mode {
     }
 }
 
-/// An operator's per-peer override.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pin {
-    Auto,
-    Ud,
-    Cm,
-    Block,
-}
-
-impl Pin {
-    pub fn raw(self) -> u8 {
-        match self {
-            Pin::Auto => peer_pin::AUTO,
-            Pin::Ud => peer_pin::UD,
-            Pin::Cm => peer_pin::CM,
-            Pin::Block => peer_pin::BLOCK,
-        }
-    }
-
-    pub fn from_raw(v: u8) -> Option<Self> {
-        match v {
-            peer_pin::AUTO => Some(Pin::Auto),
-            peer_pin::UD => Some(Pin::Ud),
-            peer_pin::CM => Some(Pin::Cm),
-            peer_pin::BLOCK => Some(Pin::Block),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Pin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Pin::Auto => "auto",
-            Pin::Ud => "ud",
-            Pin::Cm => "cm",
-            Pin::Block => "block",
-        })
-    }
-}
+/// An operator's per-peer override (one type for policy, promotion, status and the manager).
+pub use ipoib_common::PeerPin as Pin;
 
 /// Everything one `set-policy` (or policy file) asks for. `None`: leave as it is.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -69,15 +69,7 @@ impl Default for Config {
     }
 }
 
-/// An operator's pin on one peer (`set-policy peer=...`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Pin {
-    #[default]
-    Auto,
-    Ud,
-    Cm,
-    Block,
-}
+pub use crate::policy::Pin;
 
 /// Cumulative counters of one peer, as the fast path and the engine count them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

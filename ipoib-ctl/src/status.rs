@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
-use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerTraffic, Policy, peer_mode};
+use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerMode, PeerTraffic, Policy};
 use serde::Serialize;
 
 use crate::{
@@ -133,11 +133,11 @@ pub struct Status {
 }
 
 fn mode_name(m: u8) -> String {
-    match m {
-        peer_mode::UD => "ud".into(),
-        peer_mode::CM_PENDING => "cm_pending".into(),
-        peer_mode::CM_UP => "cm_up".into(),
-        other => format!("unknown({other})"),
+    match PeerMode::try_from(m) {
+        Ok(PeerMode::Ud) => "ud".into(),
+        Ok(PeerMode::CmPending) => "cm_pending".into(),
+        Ok(PeerMode::CmUp) => "cm_up".into(),
+        Err(other) => format!("unknown({other})"),
     }
 }
 
@@ -166,7 +166,7 @@ pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
             addr: ip.to_string(),
             mode: e.map_or_else(|| "-".into(), |e| mode_name(e.mode)),
             pin: e
-                .and_then(|e| Pin::from_raw(e.pin))
+                .and_then(|e| Pin::try_from(e.pin).ok())
                 .map_or_else(|| "auto".into(), |p| p.to_string()),
             cm_ifindex: e.map_or(0, |e| e.cm_ifindex),
             generation: e.map_or(0, |e| e.generation),

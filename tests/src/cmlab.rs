@@ -16,9 +16,9 @@ use anyhow::{Result, bail};
 
 use crate::lab::{ctl_path, sibling_exe};
 use ipoib_ctl::{
-    cm::{HwAddr, Resources},
+    cm::HwAddr,
     plan::{CM_BUF_SIZE, PAGE_SIZE},
-    verbs::{CompletionQueue, Device, MemoryRegion, RcQueuePair, SharedReceiveQueue},
+    verbs::{CompletionQueue, Device, MemoryRegion, RcQueuePair, Resources},
 };
 
 /// Bytes between receive buffers: one CM message in whole pages.
@@ -36,22 +36,13 @@ pub struct Node {
 impl Node {
     pub fn open(dev: &str, depth: u32, send_slots: u32) -> Result<Self> {
         let dev = Device::open(dev)?;
-        let port = dev.first_address(1)?;
-        let pd = dev.alloc_pd()?;
-        let cq = CompletionQueue::create(&dev, depth + send_slots * 2, true)?;
-        let srq = SharedReceiveQueue::create(&pd, depth, CM_BUF_SIZE as u32, STRIDE)?;
-        let send = MemoryRegion::register(&pd, send_slots, STRIDE)?;
+        let buffer = CM_BUF_SIZE as u32;
+        let res = Resources::create(&dev, 1, depth, buffer, send_slots, STRIDE)?;
         Ok(Self {
-            res: Arc::new(Resources {
-                pd,
-                send_cq: cq.clone(),
-                recv_cq: cq.clone(),
-                srq,
-                port,
-            }),
+            cq: res.recv_cq.clone(),
+            send: res.send.clone(),
+            res,
             dev,
-            cq,
-            send,
         })
     }
 }

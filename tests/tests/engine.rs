@@ -16,7 +16,7 @@ use std::{
 
 use ipoib_ctl::{
     cm::{Cm, SetupConfig},
-    engine::{Engine, EngineConfig, EngineStats, Route, Routes},
+    engine::{Engine, EngineConfig, EngineStats, Route},
     tun::Tun,
 };
 use ipoib_tests::cmlab::{
@@ -70,24 +70,17 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
         .block_on(cm.connect(peer.addr, peer.hw))
         .expect("the connection");
     peer.expect("established", Duration::from_secs(10));
-    let routes = Routes::default();
+    let mut engine = Engine::new(tun, node.res.clone(), EngineConfig::default()).unwrap();
     let peer_ip: IpAddr = "10.98.0.2".parse().unwrap();
-    routes.add(
+    // Taken by the engine when it runs, before any packet.
+    let control = engine.control();
+    control.add_route(
         peer_ip,
         Route {
             qp: conn.qp.clone(),
             mtu: conn.mtu,
         },
     );
-    let mut engine = Engine::new(
-        tun,
-        node.res.clone(),
-        node.cq.clone(),
-        node.send.clone(),
-        routes.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
     let stats = engine.stats();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let engine_thread = std::thread::spawn(move || {
@@ -165,7 +158,7 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
 
     // Teardown: the engine stops, the connection closes, the TUN device goes, and the
     // device's verbs resources return to where they were.
-    routes.remove(&peer_ip);
+    control.remove_route(peer_ip, conn.qp.qpn(), None);
     stop_tx.send(()).unwrap();
     let engine = engine_thread.join().expect("engine thread");
     drop(engine);

@@ -300,6 +300,16 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
         )
     });
     let promoted_after = t0.elapsed();
+    // One thread per attached interface: the heartbeat, connected mode, its engine and the
+    // device's events all run on the control loop's one runtime.
+    let pid = a.status().unwrap()["loop_pid"]
+        .as_u64()
+        .expect("A's control loop pid");
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    eprintln!("A's control loop (pid {pid}) runs {threads} thread(s) with a connection up");
+    assert_eq!(threads, 1, "A's attach runs {threads} threads");
     std::thread::sleep(Duration::from_secs(4));
     // Mixed traffic while the stream rides CM: pings and small UDP datagrams are small, so UD
     // (the fast path's `tx_ud_small`), and none is lost.

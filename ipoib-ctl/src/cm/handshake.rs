@@ -41,9 +41,15 @@ use tokio::{
 use super::wire::{
     Hello, HwAddr, Kind, MSG_LEN, Msg, RejectReason, WireError, accepts_crossing, connection_mtu,
 };
-use crate::verbs::{
-    CompletionQueue, PortAddress, ProtectionDomain, RcQueuePair, SharedReceiveQueue, VerbsError,
-};
+use crate::verbs::{RcQueuePair, Resources, VerbsError};
+
+/// A random first PSN (24 bits).
+fn random_psn() -> u32 {
+    let mut b = [0u8; 4];
+    // SAFETY: writes at most 4 bytes into b. On failure the PSN is 0, which is valid.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), 4, 0) };
+    u32::from_ne_bytes(b) & 0xff_ffff
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
@@ -109,36 +115,6 @@ impl Default for SetupConfig {
             max_send_wr: 64,
         }
     }
-}
-
-/// What every connection of this node shares: one SRQ and its CQs.
-pub struct Resources {
-    pub pd: Arc<ProtectionDomain>,
-    pub send_cq: Arc<CompletionQueue>,
-    pub recv_cq: Arc<CompletionQueue>,
-    pub srq: Arc<SharedReceiveQueue>,
-    pub port: PortAddress,
-}
-
-impl Resources {
-    fn qp(&self, max_send_wr: u32) -> Result<RcQueuePair, VerbsError> {
-        RcQueuePair::create(
-            &self.pd,
-            &self.send_cq,
-            &self.recv_cq,
-            &self.srq,
-            self.port,
-            max_send_wr,
-            random_psn(),
-        )
-    }
-}
-
-fn random_psn() -> u32 {
-    let mut b = [0u8; 4];
-    // SAFETY: writes at most 4 bytes into b. On failure the PSN is 0, which is valid.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), 4, 0) };
-    u32::from_ne_bytes(b) & 0xff_ffff
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -410,7 +386,7 @@ impl Cm {
             Ok(r) => r?,
         };
         s.set_nodelay(true)?;
-        let qp = self.res.qp(self.cfg.max_send_wr)?;
+        let qp = self.res.rc_qp(self.cfg.max_send_wr, random_psn())?;
         write_msg(&mut s, Msg::Req(self.hello(&qp)), t).await?;
         let rep = match read_msg(&mut s, t, "REP").await? {
             Msg::Rep(h) => h,
@@ -483,7 +459,7 @@ impl Cm {
                 return Err(e);
             }
         };
-        let qp = match self.res.qp(self.cfg.max_send_wr) {
+        let qp = match self.res.rc_qp(self.cfg.max_send_wr, random_psn()) {
             Ok(qp) => qp,
             Err(e) => {
                 write_msg(&mut s, self.reject(RejectReason::NoResources), t).await?;

@@ -191,6 +191,13 @@ impl Device {
         })
     }
 
+    /// The fd that turns readable when an asynchronous event waits: an event loop watches it
+    /// and then takes the events with [`Device::async_event`] and a zero timeout.
+    pub fn async_fd(&self) -> RawFd {
+        // SAFETY: valid context; async_fd is plain data, fixed for the context's life.
+        unsafe { (*self.ctx.ctx).async_fd }
+    }
+
     /// The next asynchronous event, waiting up to `timeout`; `None` when none came.
     pub fn async_event(&self, timeout: Duration) -> Result<Option<AsyncEvent>, VerbsError> {
         // SAFETY: valid context; async_fd is plain data.
@@ -221,6 +228,61 @@ impl Device {
         // SAFETY: the event returned above, acknowledged once.
         unsafe { ffi::ibv_ack_async_event(&mut ev) };
         Ok(Some(kind))
+    }
+}
+
+/// What every connection of a node shares: the PD, one CQ for sends and receives (with a
+/// completion channel), the SRQ, the registered send slots and the port's address. Built once,
+/// for the daemon and the test nodes alike. Each object holds an Arc of what it was made from
+/// (the QPs made from these too), so the HCA's drop order holds whatever drops first.
+pub struct Resources {
+    pub pd: Arc<ProtectionDomain>,
+    pub send_cq: Arc<CompletionQueue>,
+    pub recv_cq: Arc<CompletionQueue>,
+    pub srq: Arc<SharedReceiveQueue>,
+    /// Send slots, each one CM message in whole pages.
+    pub send: Arc<MemoryRegion>,
+    pub port: PortAddress,
+}
+
+impl Resources {
+    /// On `port` of `dev` (its first GID that is set): an SRQ of `depth` receive buffers of
+    /// `buffer_bytes`, `send_slots` send slots, every buffer `stride` bytes apart, and a CQ
+    /// deep enough for all of them (sends twice: a slot may complete in error after a flush).
+    pub fn create(
+        dev: &Device,
+        port: u8,
+        depth: u32,
+        buffer_bytes: u32,
+        send_slots: u32,
+        stride: u64,
+    ) -> Result<Arc<Self>, VerbsError> {
+        let port = dev.first_address(port)?;
+        let pd = dev.alloc_pd()?;
+        let cq = CompletionQueue::create(dev, depth + 2 * send_slots, true)?;
+        let srq = SharedReceiveQueue::create(&pd, depth, buffer_bytes, stride)?;
+        let send = MemoryRegion::register(&pd, send_slots, stride)?;
+        Ok(Arc::new(Self {
+            pd,
+            send_cq: cq.clone(),
+            recv_cq: cq,
+            srq,
+            send,
+            port,
+        }))
+    }
+
+    /// An RC QP on these resources (receiving on the SRQ), first PSN `psn`.
+    pub fn rc_qp(&self, max_send_wr: u32, psn: u32) -> Result<RcQueuePair, VerbsError> {
+        RcQueuePair::create(
+            &self.pd,
+            &self.send_cq,
+            &self.recv_cq,
+            &self.srq,
+            self.port,
+            max_send_wr,
+            psn,
+        )
     }
 }
 

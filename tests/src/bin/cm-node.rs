@@ -18,7 +18,7 @@ use anyhow::Result;
 use clap::Parser;
 use ipoib_ctl::{
     cm::{Cm, SetupConfig},
-    engine::{Engine, EngineConfig, Route, Routes},
+    engine::{Engine, EngineConfig, Route},
     tun::Tun,
 };
 use ipoib_tests::cmlab::{Node, Pump, QpTable};
@@ -76,20 +76,12 @@ fn main() -> Result<()> {
     let qps: QpTable = QpTable::default();
     let stop = Arc::new(AtomicBool::new(false));
 
-    let routes = Routes::default();
     let engine = match &args.tun {
         Some(cidr) => {
             let tun = Tun::create("cmn%d", true)?;
             let dev = tun.name().to_string();
             ipoib_tests::cmlab::tun_up(&dev, cidr);
-            Some(Engine::new(
-                tun,
-                node.res.clone(),
-                node.cq.clone(),
-                node.send.clone(),
-                routes.clone(),
-                EngineConfig::default(),
-            )?)
+            Some(Engine::new(tun, node.res.clone(), EngineConfig::default())?)
         }
         None => None,
     };
@@ -136,6 +128,7 @@ fn main() -> Result<()> {
         println!("ready {gid} {:#x}", args.ud_qpn);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(cm.clone().serve(listener, tx));
+        let control = engine.as_ref().map(Engine::control);
         if let Some(mut engine) = engine {
             let stats = engine.stats();
             println!("engine {}", engine.tun_name());
@@ -158,20 +151,18 @@ fn main() -> Result<()> {
                     let (peer, qpn) = (c.peer.ud_qpn, c.qp.qpn());
                     println!("established {peer:#x} {qpn} {}", c.mtu);
                     qps.lock().unwrap().insert(qpn, c.qp.clone());
-                    if let Some(ip) = args.peer_ip {
-                        routes.add(
-                            ip,
-                            Route {
-                                qp: c.qp.clone(),
-                                mtu: c.mtu,
-                            },
-                        );
+                    if let (Some(ip), Some(control)) = (args.peer_ip, &control) {
+                        let route = Route {
+                            qp: c.qp.clone(),
+                            mtu: c.mtu,
+                        };
+                        control.add_route(ip, route);
                     }
-                    let (qps, routes) = (qps.clone(), routes.clone());
+                    let (qps, control) = (qps.clone(), control.clone());
                     tokio::spawn(async move {
                         c.closed().await;
-                        if let Some(ip) = args.peer_ip {
-                            routes.remove(&ip);
+                        if let (Some(ip), Some(control)) = (args.peer_ip, control) {
+                            control.remove_route(ip, qpn, None);
                         }
                         qps.lock().unwrap().remove(&qpn);
                         c.close();

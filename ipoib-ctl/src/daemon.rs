@@ -1,0 +1,157 @@
+//! The control loop of `ipoib-ctl attach`, on one tokio runtime (one thread) per attached
+//! interface: the heartbeat is an interval branch, connected mode's [`Manager`] and its
+//! engine are branches and tasks of the same runtime, and SIGINT/SIGTERM end it cleanly. A
+//! wedged runtime therefore stops the heartbeat too, and the fast path's fail-safe sends
+//! every packet UD.
+
+use std::time::Duration;
+
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::{
+    attach::{self, AttachError, Attached},
+    clock::monotonic_ns,
+    connmgr::{CmError, CmOptions, Manager},
+    maps::MapsError,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Attach(#[from] AttachError),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error("starting connected mode: {0}")]
+    StartCm(#[source] CmError),
+    #[error("connected mode: {0}")]
+    Cm(#[from] CmError),
+    #[error("the control loop's runtime: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Connected mode for the loop: what to run it with, and whether it must start (an explicit
+/// `--cm-device`) or may fall back to UD only.
+pub struct CmSetup {
+    pub options: CmOptions,
+    pub required: bool,
+}
+
+/// Runs the control loop for `iface` (already attached as `att`) until SIGINT, SIGTERM or a
+/// detach; connected mode too when `cm` is given.
+pub fn run(iface: &str, att: Attached, cm: Option<CmSetup>) -> Result<(), DaemonError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(iface, att, cm))
+}
+
+async fn run_async(iface: &str, mut att: Attached, cm: Option<CmSetup>) -> Result<(), DaemonError> {
+    let mut manager = match cm {
+        Some(cm) => start_cm(iface, cm).await?,
+        None => None,
+    };
+    // Only now is this loop running: whoever waits for it (status: loop_pid) finds connected
+    // mode set up, and the entries a killed predecessor left CM_UP already reset.
+    att.state.loop_pid = Some(std::process::id());
+    attach::write_state(&att.state)?;
+    tracing::info!(
+        "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
+        if att.adopted { "adopted" } else { "attached" },
+        att.state.ifindex,
+        att.state.egress,
+        att.state.xdp_mode
+    );
+    let looped = run_loop(iface, &mut att, &mut manager).await;
+    if let Some(m) = manager
+        && let Err(e) = m.shutdown().await
+    {
+        tracing::warn!("stopping connected mode on {iface}: {e}");
+    }
+    let detached = looped?;
+    finish(iface, detached)
+}
+
+async fn start_cm(iface: &str, cm: CmSetup) -> Result<Option<Manager>, DaemonError> {
+    match Manager::start(iface, &attach::pin_dir(iface), cm.options).await {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if !cm.required => {
+            tracing::warn!("connected mode unavailable on {iface}, every peer on UD: {e}");
+            Ok(None)
+        }
+        Err(e) => Err(DaemonError::StartCm(e)),
+    }
+}
+
+/// The loop proper; true when it ended because the interface was detached.
+async fn run_loop(
+    iface: &str,
+    att: &mut Attached,
+    manager: &mut Option<Manager>,
+) -> Result<bool, DaemonError> {
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    let beat = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(beat);
+    loop {
+        tokio::select! {
+            _ = int.recv() => return Ok(false),
+            _ = term.recv() => return Ok(false),
+            _ = &mut beat => {
+                if !attach::is_attached(iface) {
+                    return Ok(true);
+                }
+                let next = heartbeat(att)?;
+                beat.as_mut().reset(tokio::time::Instant::now() + next);
+            }
+            input = next_input(manager) => {
+                let Some(m) = manager.as_mut() else { continue };
+                if let Err(e) = m.handle(input) {
+                    // As when connected mode cannot start: the loop goes on, every peer UD.
+                    tracing::error!("connected mode on {iface} stopped on an error: {e}");
+                    if let Some(m) = manager.take() {
+                        let _ = m.shutdown().await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The manager's next input; never, without connected mode.
+async fn next_input(manager: &mut Option<Manager>) -> crate::connmgr::Input {
+    match manager {
+        Some(m) => m.next_input().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Writes the heartbeat, forwards the programs' logs; returns when to beat next: four beats
+/// per deadline, at most one a second, at least every 20 ms.
+fn heartbeat(att: &mut Attached) -> Result<Duration, DaemonError> {
+    let timeout = att
+        .maps
+        .policy()
+        .map(|p| p.heartbeat_timeout_ns)
+        .unwrap_or(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
+    att.maps.beat(monotonic_ns())?;
+    if let Some(dp) = att.datapath.as_mut() {
+        dp.flush_logs();
+    }
+    Ok(Duration::from_nanos(timeout / 4).clamp(Duration::from_millis(20), Duration::from_secs(1)))
+}
+
+fn finish(iface: &str, detached: bool) -> Result<(), DaemonError> {
+    if detached || !attach::is_attached(iface) {
+        tracing::info!("{iface} was detached; control loop exits");
+        return Ok(());
+    }
+    if let Some(mut s) = attach::read_state(iface) {
+        s.loop_pid = None;
+        attach::write_state(&s)?;
+    }
+    tracing::info!(
+        "control loop stopped; the datapath stays attached to {iface} and goes UD once the \
+         heartbeat is stale (`ipoib-ctl detach {iface}` removes it)"
+    );
+    Ok(())
+}
