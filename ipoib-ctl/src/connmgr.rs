@@ -34,7 +34,10 @@ pub use self::core::{Command, Core, PeerView, TickInput, Traffic};
 use crate::{
     clock::monotonic_ns,
     cm::{Cm, Connection, Gone, RejectReason, SetupConfig, SetupError},
-    engine::{Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Route},
+    engine::{
+        Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Fault,
+        HOUSEKEEPING, Route,
+    },
     maps::{DatapathMaps, MapsError},
     netdev::{self, NetdevError, Resolve},
     plan::{self, CM_BUF_SIZE, PAGE_SIZE, PlanKind},
@@ -62,6 +65,8 @@ pub enum CmError {
     NoPlan { device: String, why: String },
     #[error(transparent)]
     Netdev(#[from] NetdevError),
+    #[error("the engine stopped: {0}")]
+    EngineStopped(String),
 }
 
 /// What `attach` passes in.
@@ -85,6 +90,8 @@ pub struct CmOptions {
     pub status_path: PathBuf,
     /// Overrides of the promotion policy's defaults (the plan sets `max_connections`).
     pub promotion: PromotionConfig,
+    /// Tests only: take a [`Fault`] for the engine from `RUN_DIR/IFACE.fault` on each tick.
+    pub test_faults: bool,
 }
 
 /// One peer in the status.
@@ -195,7 +202,14 @@ fn open_hca(opts: &CmOptions) -> Result<Hca, CmError> {
     let depth = p.ring as u32;
     let stride = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
     let buffer = p.buffer_bytes as u32;
+    let t0 = std::time::Instant::now();
     let res = Resources::create(&dev, opts.port, depth, buffer, opts.send_slots, stride)?;
+    tracing::info!(
+        "{}: SRQ of {depth} buffers and {} send slots registered in {:.1?}",
+        opts.device,
+        opts.send_slots,
+        t0.elapsed()
+    );
     Ok(Hca {
         dev,
         res,
@@ -286,14 +300,32 @@ pub enum Input {
     /// A peer set a connection up to us (or tried).
     Accepted(SocketAddr, Result<Connection, SetupError>),
     Outcome(Outcome),
+    /// The engine's task ended (it panicked, or returned an error): why.
+    EngineStopped(String),
 }
+
+/// How long the engine's loop may show no life (its housekeeping runs every
+/// [`HOUSEKEEPING`]) before it is taken as wedged: the heartbeat is withheld, so the fast
+/// path's fail-safe sends every packet UD, and connected mode is stopped.
+pub const ENGINE_DEADLINE: Duration = Duration::from_millis(1500);
+// A live engine renews its proof of life at least twice within the deadline.
+const _: () = assert!(ENGINE_DEADLINE.as_millis() >= 2 * HOUSEKEEPING.as_millis());
 
 /// The running engine task and how to stop it.
 struct EngineTask {
     control: EngineControl,
     stats: Arc<EngineStats>,
     stop: oneshot::Sender<()>,
-    task: JoinHandle<(Engine, Result<(), EngineError>)>,
+    /// None once it ended.
+    task: Option<JoinHandle<(Engine, Result<(), EngineError>)>>,
+}
+
+/// The engine task's end; never, once it was taken.
+async fn engine_end<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
+    match task {
+        Some(t) => t.await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Connected mode on one interface. Built by [`Manager::start`]; fed by the control loop
@@ -325,6 +357,11 @@ pub struct Manager {
     tun: String,
     tun_ifindex: u32,
     gso_before: Option<u64>,
+    /// The loop's own liveness, so a stop of the whole process (SIGSTOP, a paused VM, CPU
+    /// starvation) is not taken for a wedged engine: when the loop last looked, and since when
+    /// it has run without a gap longer than [`ENGINE_DEADLINE`] (monotonic ns).
+    looked_at: u64,
+    awake_since: u64,
 }
 
 impl Manager {
@@ -385,6 +422,8 @@ impl Manager {
             tun_ifindex,
             gso_before,
             opts,
+            looked_at: monotonic_ns(),
+            awake_since: monotonic_ns(),
         };
         m.log_started();
         Ok(m)
@@ -421,7 +460,33 @@ impl Manager {
             }
             Some((a, r)) = self.accepted.recv() => Input::Accepted(a, r),
             Some(o) = self.outcomes.recv() => Input::Outcome(o),
+            end = engine_end(&mut self.engine.task) => Input::EngineStopped(match end {
+                Ok((_, Ok(()))) => "it returned".into(),
+                Ok((_, Err(e))) => e.to_string(),
+                Err(e) => e.to_string(),
+            }),
         }
+    }
+
+    /// Whether the engine's loop turns: its task runs and showed life within
+    /// [`ENGINE_DEADLINE`] of the control loop running. The heartbeat is written only while
+    /// it does.
+    pub fn engine_alive(&mut self) -> bool {
+        self.engine.task.as_ref().is_some_and(|t| !t.is_finished())
+            && self.engine_silence() < ENGINE_DEADLINE
+    }
+
+    /// How long the engine has shown no life while this loop ran. After a gap in the loop
+    /// itself (the whole process was stopped or starved) the engine gets a fresh deadline:
+    /// the two resume together, and either may be polled first.
+    fn engine_silence(&mut self) -> Duration {
+        let now = monotonic_ns();
+        if Duration::from_nanos(now.saturating_sub(self.looked_at)) > ENGINE_DEADLINE {
+            self.awake_since = now;
+        }
+        self.looked_at = now;
+        let awake = Duration::from_nanos(now.saturating_sub(self.awake_since));
+        self.engine.stats.silent_for(now).min(awake)
     }
 
     /// Handles one input, then carries out what the core decided.
@@ -432,6 +497,10 @@ impl Manager {
             Input::DeviceEvents => self.on_device_events(),
             Input::Accepted(addr, r) => self.on_accepted(addr, r),
             Input::Outcome(o) => self.on_outcome(o),
+            Input::EngineStopped(why) => {
+                self.engine.task = None;
+                return Err(CmError::EngineStopped(why));
+            }
         }
         self.execute()
     }
@@ -439,6 +508,14 @@ impl Manager {
     /// The policy's tick: the policy (mode, cap), the operator's pins and the fast path's
     /// counters go to the core; then the status file is written.
     fn on_tick(&mut self) -> Result<(), CmError> {
+        let silent = self.engine_silence();
+        if silent >= ENGINE_DEADLINE {
+            let why = format!("its loop has not run for {silent:.1?} (wedged)");
+            return Err(CmError::EngineStopped(why));
+        }
+        if self.opts.test_faults {
+            self.take_test_fault();
+        }
         let input = TickInput {
             mode: self.maps.policy().ok().and_then(|p| Mode::from_raw(p.mode)),
             max_connections: cap(&self.iface, self.plan_max),
@@ -450,6 +527,19 @@ impl Manager {
         self.execute()?;
         self.write_status();
         Ok(())
+    }
+
+    /// Tests only: a fault written into `RUN_DIR/IFACE.fault` goes to the engine.
+    fn take_test_fault(&self) {
+        let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{}.fault", self.iface));
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return;
+        };
+        let _ = std::fs::remove_file(&path);
+        match text.parse::<Fault>() {
+            Ok(f) => self.engine.control.fault(f),
+            Err(e) => tracing::warn!("{}: {e}", path.display()),
+        }
     }
 
     fn pins(&self) -> Vec<(IpAddr, PeerPin)> {
@@ -689,14 +779,9 @@ impl Manager {
         // Let the engine drop the routes and the watchers close their QPs.
         tokio::time::sleep(Duration::from_millis(50)).await;
         let _ = self.engine.stop.send(());
-        let result = match self.engine.task.await {
-            Ok((engine, r)) => {
-                drop(engine);
-                r.map_err(CmError::from)
-            }
-            Err(e) => Err(CmError::Io(io::Error::other(format!(
-                "the engine task: {e}"
-            )))),
+        let result = match self.engine.task.take() {
+            Some(task) => stop_engine(task).await,
+            None => Ok(()),
         };
         let _ = std::fs::remove_file(&self.opts.status_path);
         if let Some(g) = self.gso_before.filter(|g| *g > u64::from(GSO_MAX_SIZE)) {
@@ -743,6 +828,28 @@ fn watch_device(dev: &Device) -> Result<AsyncFd<RawFdRef>, CmError> {
         .map_err(|e| CmError::Io(e.into_parts().1))
 }
 
+/// Waits for the engine's task to end after its stop; one that does not within a second (a
+/// stalled engine) is aborted. Either way the engine, and its TUN device, are dropped.
+async fn stop_engine(
+    mut task: JoinHandle<(Engine, Result<(), EngineError>)>,
+) -> Result<(), CmError> {
+    match tokio::time::timeout(Duration::from_secs(1), &mut task).await {
+        Ok(Ok((engine, r))) => {
+            drop(engine);
+            r.map_err(CmError::from)
+        }
+        Ok(Err(e)) => Err(CmError::Io(io::Error::other(format!(
+            "the engine task: {e}"
+        )))),
+        Err(_) => {
+            task.abort();
+            let _ = task.await;
+            tracing::warn!("the engine did not stop within 1 s: aborted");
+            Ok(())
+        }
+    }
+}
+
 /// The engine as a task of this runtime, with its control and events.
 fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<EngineEvent>) {
     let events = engine.events();
@@ -761,7 +868,7 @@ fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<Engi
         control,
         stats,
         stop,
-        task,
+        task: Some(task),
     };
     (t, events)
 }

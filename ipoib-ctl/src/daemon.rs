@@ -92,6 +92,7 @@ async fn run_loop(
     let mut term = signal(SignalKind::terminate())?;
     let beat = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(beat);
+    let mut withheld = false;
     loop {
         tokio::select! {
             _ = int.recv() => return Ok(false),
@@ -100,7 +101,7 @@ async fn run_loop(
                 if !attach::is_attached(iface) {
                     return Ok(true);
                 }
-                let next = heartbeat(att)?;
+                let next = heartbeat(att, manager.as_mut(), &mut withheld)?;
                 beat.as_mut().reset(tokio::time::Instant::now() + next);
             }
             input = next_input(manager) => {
@@ -127,13 +128,33 @@ async fn next_input(manager: &mut Option<Manager>) -> crate::connmgr::Input {
 
 /// Writes the heartbeat, forwards the programs' logs; returns when to beat next: four beats
 /// per deadline, at most one a second, at least every 20 ms.
-fn heartbeat(att: &mut Attached) -> Result<Duration, DaemonError> {
+///
+/// The heartbeat is what the fast path trusts to redirect to connected mode, so it is
+/// withheld while connected mode's engine does not turn (`withheld` remembers, to log the
+/// change once): within the heartbeat deadline the fail-safe sends every packet UD. (A wedged
+/// runtime stops it anyway: it beats on the same thread.)
+fn heartbeat(
+    att: &mut Attached,
+    manager: Option<&mut Manager>,
+    withheld: &mut bool,
+) -> Result<Duration, DaemonError> {
     let timeout = att
         .maps
         .policy()
         .map(|p| p.heartbeat_timeout_ns)
         .unwrap_or(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
-    att.maps.beat(monotonic_ns())?;
+    let engine_dead = manager.is_some_and(|m| !m.engine_alive());
+    if engine_dead != *withheld {
+        *withheld = engine_dead;
+        if engine_dead {
+            tracing::error!("connected mode's engine does not turn: heartbeat withheld");
+        } else {
+            tracing::info!("heartbeat resumed");
+        }
+    }
+    if !engine_dead {
+        att.maps.beat(monotonic_ns())?;
+    }
     if let Some(dp) = att.datapath.as_mut() {
         dp.flush_logs();
     }

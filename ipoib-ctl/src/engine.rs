@@ -93,6 +93,9 @@ pub struct EngineStats {
     /// Connections the engine tracks sends for (a gauge; those whose connection is gone and
     /// have nothing in flight are forgotten at the next housekeeping).
     pub flows: AtomicU64,
+    /// When the engine's loop last ran its housekeeping (monotonic ns): its proof of life,
+    /// renewed every [`HOUSEKEEPING`] while the loop turns. Not a counter: not in snapshots.
+    pub alive_ns: AtomicU64,
 }
 
 impl EngineStats {
@@ -100,6 +103,11 @@ impl EngineStats {
         self.tx_packets.fetch_add(1, Ordering::Relaxed);
         self.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
         self.tx_largest.fetch_max(len as u64, Ordering::Relaxed);
+    }
+
+    /// How long since the engine's loop last showed life (see `alive_ns`).
+    pub fn silent_for(&self, now_ns: u64) -> Duration {
+        Duration::from_nanos(now_ns.saturating_sub(self.alive_ns.load(Ordering::Relaxed)))
     }
 
     /// Every counter by name.
@@ -166,6 +174,44 @@ pub enum EngineCommand {
         qpn: u32,
         close: Option<oneshot::Sender<()>>,
     },
+    /// A test hook (`attach --test-faults`): break the engine on purpose.
+    Fault(Fault),
+}
+
+/// How a test breaks the engine, to prove the control loop catches each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Its task panics (tokio keeps the runtime; the task is gone).
+    Panic,
+    /// Its task awaits forever (the runtime turns; the engine moves nothing).
+    Stall,
+    /// It blocks the runtime's thread (nothing on that thread turns any more).
+    Hang,
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "panic" => Ok(Fault::Panic),
+            "stall" => Ok(Fault::Stall),
+            "hang" => Ok(Fault::Hang),
+            other => Err(format!("unknown fault `{other}` (panic, stall, hang)")),
+        }
+    }
+}
+
+/// Breaks the engine as `f` says (never returns).
+async fn inject(f: Fault) {
+    tracing::warn!("test fault: engine {f:?}");
+    match f {
+        Fault::Panic => panic!("test fault: engine panic"),
+        Fault::Stall => std::future::pending::<()>().await,
+        Fault::Hang => loop {
+            std::thread::sleep(Duration::from_secs(1));
+        },
+    }
 }
 
 impl std::fmt::Debug for Route {
@@ -187,6 +233,11 @@ impl EngineControl {
     /// has stopped: the sender is then dropped, which a watcher takes as the same).
     pub fn remove_route(&self, ip: IpAddr, qpn: u32, close: Option<oneshot::Sender<()>>) {
         let _ = self.0.send(EngineCommand::RemoveRoute { ip, qpn, close });
+    }
+
+    /// A test hook: breaks the engine (see [`Fault`]).
+    pub fn fault(&self, f: Fault) {
+        let _ = self.0.send(EngineCommand::Fault(f));
     }
 }
 
@@ -286,8 +337,9 @@ fn destination(pkt: &[u8]) -> Option<IpAddr> {
     }
 }
 
-/// How often flows of gone connections are forgotten and receive totals reported.
-const HOUSEKEEPING: Duration = Duration::from_millis(500);
+/// How often flows of gone connections are forgotten, receive totals reported and the
+/// engine's proof of life renewed.
+pub const HOUSEKEEPING: Duration = Duration::from_millis(500);
 
 impl Engine {
     /// `tun` must be non-blocking; `res` must have one CQ for sends and receives, with a
@@ -306,12 +358,16 @@ impl Engine {
         }
         let free = (0..res.send.count).rev().collect();
         let (tx, commands) = mpsc::unbounded_channel();
+        let stats = Arc::new(EngineStats::default());
+        stats
+            .alive_ns
+            .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         Ok(Self {
             tun,
             core: Core {
                 res,
                 cfg,
-                stats: Arc::default(),
+                stats,
                 free,
                 routes: HashMap::new(),
                 flows: HashMap::new(),
@@ -383,7 +439,12 @@ impl Engine {
             let can_send = !self.core.free.is_empty();
             tokio::select! {
                 _ = &mut stop => return Ok(()),
-                Some(c) = self.commands.recv() => self.core.command(c),
+                Some(c) = self.commands.recv() => {
+                    if let EngineCommand::Fault(f) = c {
+                        inject(f).await;
+                    }
+                    self.core.command(c);
+                }
                 _ = housekeeping.tick() => self.core.housekeeping(),
                 g = channel.readable() => {
                     let mut g = g.map_err(&tun_err)?;
@@ -438,6 +499,7 @@ impl Core {
                 self.routes.insert(ip, route);
                 self.tell(EngineEvent::RouteAdded { ip, qpn });
             }
+            EngineCommand::Fault(_) => {}
             EngineCommand::RemoveRoute { ip, qpn, close } => {
                 if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
                     self.routes.remove(&ip);
@@ -454,6 +516,9 @@ impl Core {
     /// nothing in flight or waiting: a connection closed while idle gets no completion that
     /// would remove its flow. Reports the receive totals when they changed.
     fn housekeeping(&mut self) {
+        self.stats
+            .alive_ns
+            .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         let routes = &self.routes;
         let routed = |ip: &IpAddr, qpn: u32| routes.get(ip).is_some_and(|r| r.qp.qpn() == qpn);
         self.flows
@@ -622,6 +687,22 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn faults_parse_by_name() {
+        assert_eq!("panic".parse(), Ok(Fault::Panic));
+        assert_eq!(" stall\n".parse(), Ok(Fault::Stall));
+        assert_eq!("hang".parse(), Ok(Fault::Hang));
+        assert!("crash".parse::<Fault>().is_err());
+    }
+
+    #[test]
+    fn silence_is_measured_from_the_last_proof_of_life() {
+        let s = EngineStats::default();
+        s.alive_ns.store(5_000_000_000, Ordering::Relaxed);
+        assert_eq!(s.silent_for(6_500_000_000), Duration::from_millis(1500));
+        assert_eq!(s.silent_for(4_000_000_000), Duration::ZERO);
+    }
 
     #[test]
     fn destination_of_v4_and_v6_packets() {

@@ -138,6 +138,10 @@ struct CmArgs {
     /// Seconds a connection lives at least, and a demoted peer waits before promotion again.
     #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = parse_secs)]
     cm_min_hold: f64,
+    /// Tests only: break the engine on request (`panic`, `stall` or `hang` written into
+    /// /run/ipoib-ctl/IFACE.fault), to prove the control loop catches it.
+    #[arg(long, hide = true)]
+    test_faults: bool,
 }
 
 fn parse_secs(s: &str) -> Result<f64, String> {
@@ -206,6 +210,7 @@ fn cm_options(
             min_hold: Duration::from_secs_f64(args.cm_min_hold),
             ..Default::default()
         },
+        test_faults: args.test_faults,
     }))
 }
 
