@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
 use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerMode, PeerTraffic, Policy};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     attach::{self, AttachError, AttachState},
@@ -13,9 +13,9 @@ use crate::{
     policy::{Mode, Pin, format_size},
 };
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PolicyView {
-    pub link: &'static str,
+    pub link: String,
     pub mode: String,
     pub cm_threshold: u32,
     pub heartbeat_timeout_ms: u64,
@@ -35,7 +35,8 @@ impl PolicyView {
                 ARPHRD_INFINIBAND => "ipoib",
                 ARPHRD_ETHER => "ethernet",
                 _ => "unconfigured",
-            },
+            }
+            .into(),
             mode: Mode::from_raw(p.mode)
                 .map_or_else(|| format!("unknown({})", p.mode), |m| m.to_string()),
             cm_threshold: p.cm_min_bytes,
@@ -65,7 +66,7 @@ impl PolicyView {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PeerView {
     pub addr: String,
     /// "ud", "cm_pending", "cm_up", or "-" for a peer only seen in traffic.
@@ -77,7 +78,7 @@ pub struct PeerView {
     pub traffic: TrafficView,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TrafficView {
     pub tx_ud_packets: u64,
     pub tx_ud_bytes: u64,
@@ -106,13 +107,14 @@ impl TrafficView {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct CounterView {
     pub packets: u64,
     pub bytes: u64,
 }
 
-#[derive(Debug, Serialize)]
+/// What `status --json` prints for one interface (and tests read back, typed).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Status {
     pub iface: String,
     pub ifindex: Option<u32>,
@@ -126,7 +128,7 @@ pub struct Status {
     pub failsafe_active: bool,
     pub loop_pid: Option<u32>,
     pub loop_running: bool,
-    pub reasons: BTreeMap<&'static str, CounterView>,
+    pub reasons: BTreeMap<String, CounterView>,
     pub peers: Vec<PeerView>,
     /// Connected mode, as its control loop last wrote it (None: not running).
     pub cm: Option<crate::connmgr::CmStatus>,
@@ -187,7 +189,7 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
         .into_iter()
         .map(|(r, c)| {
             (
-                r.name(),
+                r.name().to_string(),
                 CounterView {
                     packets: c.packets,
                     bytes: c.bytes,

@@ -12,6 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub use crate::programs::{sh, sh_ok as run};
 use anyhow::{Result, bail};
 
 use crate::lab::{ctl_path, sibling_exe};
@@ -192,13 +193,6 @@ pub fn rdma_resources(dev: &str) -> HashMap<String, u64> {
         .collect()
 }
 
-/// Runs a command to completion; a program that is not installed fails the test naming its
-/// package.
-fn sh(args: &[&str]) -> std::process::Output {
-    crate::programs::output(Command::new(args[0]).args(&args[1..]))
-        .unwrap_or_else(|e| panic!("{e:#}"))
-}
-
 /// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
 pub fn rxe_device() -> Option<String> {
     let caps = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
@@ -246,16 +240,6 @@ pub fn rxe_device() -> Option<String> {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     Some("rxe0".into())
-}
-
-/// Runs a command that must succeed.
-pub fn run(args: &[&str]) {
-    let out = sh(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Namespace `NAME-b` joined to the root namespace by a veth pair: 10.77.N.1 here,

@@ -17,7 +17,12 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::programs::{must, output as run};
 use anyhow::{Context as _, Result, bail};
+use ipoib_ctl::{
+    connmgr::CmStatus,
+    status::{PeerView, Status},
+};
 
 /// One node of the lab.
 #[derive(Debug, Clone)]
@@ -59,22 +64,6 @@ pub fn sibling_exe(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-fn run(cmd: &mut Command) -> Result<Output> {
-    crate::programs::output(cmd).with_context(|| format!("running {cmd:?}"))
-}
-
-fn must(cmd: &mut Command) -> Result<String> {
-    let out = run(cmd)?;
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 fn ip(args: &[&str]) -> Result<String> {
     must(Command::new("ip").args(args))
 }
@@ -102,8 +91,8 @@ impl Node {
             .args(args))
     }
 
-    /// `ipoib-ctl status IFACE --json`, parsed.
-    pub fn status(&self) -> Result<serde_json::Value> {
+    /// `ipoib-ctl status IFACE --json`, as JSON (for tests that read paths of it).
+    pub fn status_json(&self) -> Result<serde_json::Value> {
         let out = self.ctl(&["status", &self.iface, "--json"])?;
         if !out.status.success() {
             bail!("status failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -112,26 +101,36 @@ impl Node {
         Ok(v[0].clone())
     }
 
+    /// `ipoib-ctl status IFACE --json`, typed.
+    pub fn status(&self) -> Result<Status> {
+        Ok(serde_json::from_value(self.status_json()?)?)
+    }
+
     /// The JSON status of one peer, if the node knows it.
-    pub fn peer(&self, addr: &str) -> Result<Option<serde_json::Value>> {
-        let s = self.status()?;
+    pub fn peer_json(&self, addr: &str) -> Result<Option<serde_json::Value>> {
+        let s = self.status_json()?;
         Ok(s["peers"]
             .as_array()
             .and_then(|ps| ps.iter().find(|p| p["addr"] == addr).cloned()))
     }
 
+    /// The fast path's view of one peer, if the node knows it.
+    pub fn peer(&self, addr: &str) -> Result<Option<PeerView>> {
+        Ok(self.status()?.peers.into_iter().find(|p| p.addr == addr))
+    }
+
+    /// Connected mode's status as the control loop last wrote it (None: not running).
+    pub fn cm(&self) -> Result<Option<CmStatus>> {
+        Ok(self.status()?.cm)
+    }
+
     /// Waits up to `within` for this node's entry of `peer` to be in `mode` ("ud", "cm_up",
     /// ...); the entry then, or None.
-    pub fn wait_peer_mode(
-        &self,
-        peer: &str,
-        mode: &str,
-        within: Duration,
-    ) -> Option<serde_json::Value> {
+    pub fn wait_peer_mode(&self, peer: &str, mode: &str, within: Duration) -> Option<PeerView> {
         let t = Instant::now();
         while t.elapsed() < within {
             if let Ok(Some(p)) = self.peer(peer)
-                && p["mode"] == mode
+                && p.mode == mode
             {
                 return Some(p);
             }
@@ -287,18 +286,23 @@ impl Lab {
         // take seconds under software emulation: seen 11 s for the load alone in the VM.
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(s) = n.status()
-                && s["loop_running"] == true
-                && s["failsafe_active"] == false
-                && s["loop_pid"] == pid
-            {
-                return Ok(pid);
-            }
+            let seen = match n.status() {
+                Ok(s) if s.loop_running && !s.failsafe_active && s.loop_pid == Some(pid) => {
+                    return Ok(pid);
+                }
+                Ok(s) => format!(
+                    "status: loop_running {} failsafe_active {} (heartbeat {:?} ms old) \
+                     loop_pid {:?}",
+                    s.loop_running, s.failsafe_active, s.heartbeat_age_ms, s.loop_pid
+                ),
+                Err(e) => format!("status failed: {e:#}"),
+            };
             if Instant::now() > deadline {
                 bail!(
-                    "ipoib-ctl attach {} did not come up: {}",
+                    "ipoib-ctl attach {} did not come up: {}\n{seen}\n{}",
                     n.iface,
-                    std::fs::read_to_string(&log).unwrap_or_default()
+                    std::fs::read_to_string(&log).unwrap_or_default(),
+                    process_state(pid)
                 );
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -355,6 +359,28 @@ impl Lab {
             let _ = run(Command::new("ip").args(["link", "del", br]));
         }
     }
+}
+
+/// What a process is doing, for a failure message: its state, where it waits in the kernel,
+/// its threads, and the memory the machine has left.
+pub fn process_state(pid: u32) -> String {
+    let read = |p: String| std::fs::read_to_string(p).unwrap_or_default();
+    let status = read(format!("/proc/{pid}/status"));
+    let state = status
+        .lines()
+        .filter(|l| l.starts_with("State:") || l.starts_with("Threads:") || l.starts_with("VmRSS:"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let mem = read("/proc/meminfo".into())
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .unwrap_or_default()
+        .to_string();
+    format!(
+        "pid {pid}: {state}; wchan {}; stack:\n{}\n{mem}",
+        read(format!("/proc/{pid}/wchan")),
+        read(format!("/proc/{pid}/stack"))
+    )
 }
 
 /// The bridge's end of a star node's veth.

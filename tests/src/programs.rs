@@ -1,6 +1,7 @@
 //! The programs the tests run, and where each comes from: the table provisioning installs
 //! from (`xtask/src/programs.rs`, included here as it is), and the one way the test
-//! libraries start a program, which names the package when the program is missing.
+//! libraries and tests run a program ([`output`], [`must`], [`sh`], [`sh_ok`]), which names the
+//! package when the program is missing.
 
 use std::process::{Command, Output};
 
@@ -28,6 +29,36 @@ pub fn output(cmd: &mut Command) -> anyhow::Result<Output> {
             anyhow::anyhow!("could not run {name}: {e}")
         }
     })
+}
+
+/// Runs `cmd`, which must succeed; its stdout. A failure carries the command and what it
+/// printed.
+pub fn must(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = output(cmd)?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `args[0] args[1..]` run to completion, for tests: a program that cannot start fails the
+/// test, naming its package.
+pub fn sh(args: &[&str]) -> Output {
+    output(Command::new(args[0]).args(&args[1..])).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// [`sh`] for a command that must succeed.
+pub fn sh_ok(args: &[&str]) {
+    let out = sh(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[cfg(test)]

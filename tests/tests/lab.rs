@@ -53,7 +53,7 @@ fn reason(status: &serde_json::Value, name: &str) -> u64 {
 }
 
 fn peer_or_zero(n: &Node, addr: &str) -> serde_json::Value {
-    n.peer(addr).unwrap().unwrap_or(serde_json::json!({}))
+    n.peer_json(addr).unwrap().unwrap_or(serde_json::json!({}))
 }
 
 #[test]
@@ -72,8 +72,8 @@ fn lab_counts_traffic_and_takes_policy_live() {
     let a0 = peer_or_zero(&a, &b_ip);
     let b0 = peer_or_zero(&b, &a_ip);
     assert_eq!(ping(&a, &b_ip, 20, 56, "0.05"), (20, 20));
-    let a1 = a.peer(&b_ip).unwrap().expect("A sees B");
-    let b1 = b.peer(&a_ip).unwrap().expect("B sees A");
+    let a1 = a.peer_json(&b_ip).unwrap().expect("A sees B");
+    let b1 = b.peer_json(&a_ip).unwrap().expect("B sees A");
     // 20 echo requests out of A and into B; 20 replies out of B and into A.
     assert_eq!(u(&a1, "tx_ud_packets") - u(&a0, "tx_ud_packets"), 20);
     assert_eq!(u(&a1, "rx_packets") - u(&a0, "rx_packets"), 20);
@@ -84,7 +84,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
     assert_eq!(u(&a1, "tx_cm_packets"), 0);
 
     // set-policy takes effect on the live datapath.
-    let s0 = a.status().unwrap();
+    let s0 = a.status_json().unwrap();
     let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
     assert!(
         out.status.success(),
@@ -92,7 +92,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
-    let s1 = a.status().unwrap();
+    let s1 = a.status_json().unwrap();
     assert_eq!(
         reason(&s1, "tx_ud_datagram_mode") - reason(&s0, "tx_ud_datagram_mode"),
         5
@@ -101,7 +101,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
     let out = a.ctl(&["set-policy", &a.iface, "mode=auto"]).unwrap();
     assert!(out.status.success());
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
-    let s2 = a.status().unwrap();
+    let s2 = a.status_json().unwrap();
     assert_eq!(
         reason(&s2, "tx_ud_datagram_mode"),
         reason(&s1, "tx_ud_datagram_mode")
@@ -273,11 +273,11 @@ fn restart_under_traffic_loses_nothing() {
     wait_for("CM traffic", Duration::from_secs(5), || {
         u(&peer_or_zero(&a, &b_ip), "tx_cm_packets") >= 20
     });
-    let before_kill = a.peer(&b_ip).unwrap().unwrap();
+    let before_kill = a.peer_json(&b_ip).unwrap().unwrap();
     lab.kill9(pid);
-    let stale0 = reason(&a.status().unwrap(), "tx_ud_heartbeat_stale");
+    let stale0 = reason(&a.status_json().unwrap(), "tx_ud_heartbeat_stale");
     let took = wait_for("the fail-safe", Duration::from_secs(4), || {
-        let s = a.status().unwrap();
+        let s = a.status_json().unwrap();
         s["failsafe_active"] == true && reason(&s, "tx_ud_heartbeat_stale") > stale0 + 5
     });
     // Deadline 1s, plus at most one 0.25s beat interval and a tick of the coarse clock.
@@ -285,13 +285,13 @@ fn restart_under_traffic_loses_nothing() {
         took < Duration::from_millis(2500),
         "fail-safe took {took:?}"
     );
-    let s = a.status().unwrap();
+    let s = a.status_json().unwrap();
     assert_eq!(s["loop_running"], false);
 
     // Adopt: counters go on from where they were, CM resumes.
     let pid2 = lab.attach(Which::A, &[]).unwrap();
     assert_ne!(pid, pid2);
-    let after = a.peer(&b_ip).unwrap().unwrap();
+    let after = a.peer_json(&b_ip).unwrap().unwrap();
     assert!(u(&after, "tx_cm_packets") >= u(&before_kill, "tx_cm_packets"));
     let cm0 = u(&after, "tx_cm_packets");
     wait_for("CM again", Duration::from_secs(5), || {
@@ -350,7 +350,7 @@ fn gso_super_packets_take_the_cm_path_whole() {
     );
     let report: serde_json::Value = serde_json::from_slice(&client.stdout).unwrap();
     let received = report["end"]["sum_received"]["bytes"].as_u64().unwrap();
-    let p = a.peer(&b_ip).unwrap().unwrap();
+    let p = a.peer_json(&b_ip).unwrap().unwrap();
     let (cm_pkts, cm_bytes) = (u(&p, "tx_cm_packets"), u(&p, "tx_cm_bytes"));
     assert!(
         cm_bytes as f64 >= received as f64 * 0.9,

@@ -3,20 +3,16 @@
 //! This host's kernel has no RDMA support, so here the test skips, loudly; `cargo xtask
 //! vm-test` runs it on Debian's 6.1 kernel with IPOIB_REQUIRE_RDMA=1, where skipping fails.
 
-use std::{collections::HashMap, process::Command};
+use std::collections::HashMap;
 
 use ipoib_tests::{
     cmlab::{rdma_resources, rxe_device},
     lab::ctl_path,
+    programs::sh,
 };
 
 fn required() -> bool {
     std::env::var("IPOIB_REQUIRE_RDMA").is_ok_and(|v| v == "1")
-}
-
-fn sh(args: &[&str]) -> std::process::Output {
-    ipoib_tests::programs::output(Command::new(args[0]).args(&args[1..]))
-        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// `key: value` lines of `ibv_devinfo -v`, device part and port 1 part.

@@ -84,9 +84,9 @@ struct Run {
 
 fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
-    let before = a.peer(&b_ip)?.context("A knows B")?;
+    let before = a.peer_json(&b_ip)?.context("A knows B")?;
     let engine = |n: &Node| -> Result<(u64, u64)> {
-        let s = n.status()?;
+        let s = n.status_json()?;
         let e = &s["cm"]["engine"];
         Ok((json_u64(e, "tx_packets"), json_u64(e, "tx_bytes")))
     };
@@ -106,7 +106,7 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         "iperf3: {}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let after = a.peer(&b_ip)?.context("A knows B")?;
+    let after = a.peer_json(&b_ip)?.context("A knows B")?;
     let r: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let bytes = r["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0);
     let bps = r["end"]["sum_received"]["bits_per_second"]
@@ -162,7 +162,7 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
             set_mode(&a, "connected")?;
             let t = Instant::now();
             while t.elapsed() < Duration::from_secs(30)
-                && a.peer(&b_ip)?.is_none_or(|p| p["mode"] != "cm_up")
+                && a.peer_json(&b_ip)?.is_none_or(|p| p["mode"] != "cm_up")
             {
                 let _ = a.cmd("ping").args(["-c", "1", "-W", "1", &b_ip]).output();
                 std::thread::sleep(Duration::from_millis(500));
