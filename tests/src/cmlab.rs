@@ -25,16 +25,17 @@ use ipoib_ctl::{
 /// Bytes between receive buffers: one CM message in whole pages.
 pub const STRIDE: u64 = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
 
-/// A node's verbs side: one SRQ of `depth` CM-sized receives, one CQ for sends and receives
+/// A test node's verbs side (the RC tests' stand-in for a control loop; a lab node, its namespace,
+/// is [`crate::lab::Node`]): one SRQ of `depth` CM-sized receives, one CQ for sends and receives
 /// (with a completion channel), and a region of `send_slots` send buffers.
-pub struct Node {
+pub struct Verbs {
     pub dev: Device,
     pub res: Arc<Resources>,
     pub cq: Arc<CompletionQueue>,
     pub send: Arc<MemoryRegion>,
 }
 
-impl Node {
+impl Verbs {
     pub fn open(dev: &str, depth: u32, send_slots: u32) -> Result<Self> {
         let dev = Device::open(dev)?;
         let buffer = CM_BUF_SIZE as u32;
@@ -58,7 +59,7 @@ pub struct Received {
 /// Moves messages: sends from free send slots, takes receives off the SRQ (copying them out
 /// and posting the buffer again at once), recycles send slots on their completions.
 pub struct Pump {
-    node: Arc<Node>,
+    node: Arc<Verbs>,
     free: Vec<u32>,
     pub sent: u64,
     pub send_errors: Vec<(u32, u32)>,
@@ -70,7 +71,7 @@ pub struct Pump {
 }
 
 impl Pump {
-    pub fn new(node: Arc<Node>) -> Self {
+    pub fn new(node: Arc<Verbs>) -> Self {
         let free = (0..node.send.count).rev().collect();
         Self {
             node,

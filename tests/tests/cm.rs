@@ -23,7 +23,7 @@ use ipoib_ctl::{
     verbs::{AsyncEvent, RcEndpoint},
 };
 use ipoib_tests::cmlab::{
-    COUNTED, Netns, Node, Peer, Pump, Received, device, pattern, rdma_resources, settle,
+    COUNTED, Netns, Peer, Pump, Received, Verbs, device, pattern, rdma_resources, settle,
 };
 
 fn rt() -> tokio::runtime::Runtime {
@@ -47,7 +47,7 @@ fn many_connections_share_one_srq_and_move_checked_messages() {
     let ns = Netns::new("cmt1", 1);
     let baseline = rdma_resources(&dev);
     let mut peer = Peer::start(&ns, &dev, "10.77.1.2:4755".parse().unwrap(), 0x48, &[]);
-    let node = Arc::new(Node::open(&dev, 1024, 256).unwrap());
+    let node = Arc::new(Verbs::open(&dev, 1024, 256).unwrap());
     let cfg = SetupConfig {
         max_concurrent: 8,
         ..SetupConfig::default()
@@ -276,9 +276,9 @@ fn two_nodes(
     dev: &str,
     cfg_a: SetupConfig,
     cfg_b: SetupConfig,
-) -> (Arc<Node>, Arc<Cm>, Arc<Node>, Arc<Cm>) {
-    let a = Arc::new(Node::open(dev, 64, 64).unwrap());
-    let b = Arc::new(Node::open(dev, 64, 64).unwrap());
+) -> (Arc<Verbs>, Arc<Cm>, Arc<Verbs>, Arc<Cm>) {
+    let a = Arc::new(Verbs::open(dev, 64, 64).unwrap());
+    let b = Arc::new(Verbs::open(dev, 64, 64).unwrap());
     let cma = Arc::new(Cm::new(a.res.clone(), 0x10, cfg_a));
     let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, cfg_b));
     (a, cma, b, cmb)

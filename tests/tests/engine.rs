@@ -20,12 +20,12 @@ use ipoib_ctl::{
     tun::Tun,
 };
 use ipoib_tests::cmlab::{
-    COUNTED, Netns, Node, Peer, device, in_netns, pattern, rdma_resources, settle, tun_up,
+    COUNTED, Netns, Peer, Verbs, device, in_netns, pattern, rdma_resources, settle, tun_up,
 };
 
 const BYTES: usize = 48 << 20;
 
-/// Node B's latest counters (its `stats` lines), waiting up to `within` for `ok` to hold.
+/// Verbs B's latest counters (its `stats` lines), waiting up to `within` for `ok` to hold.
 fn peer_stats(
     peer: &mut Peer,
     within: Duration,
@@ -56,7 +56,7 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
         0x48,
         &["--tun", "10.98.0.2/24", "--peer-ip", "10.98.0.1"],
     );
-    let node = Arc::new(Node::open(&dev, 512, 256).unwrap());
+    let node = Arc::new(Verbs::open(&dev, 512, 256).unwrap());
     let tun = Tun::create("cmt%d", true).unwrap();
     let tun_name = tun.name().to_string();
     tun_up(&tun_name, "10.98.0.1/24");

@@ -18,7 +18,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use clap::Parser;
 use ipoib_ctl::cm::{Cm, Connection, SetupConfig};
 use ipoib_tests::{
-    cmlab::{Netns, Node, Peer, rxe_device},
+    cmlab::{Netns, Peer, Verbs, rxe_device},
     perftest::SendBw,
 };
 use serde_json::json;
@@ -68,7 +68,7 @@ fn main() -> Result<()> {
     let addr = "10.77.9.2:4755".parse()?;
     let mut peer = Peer::start(&ns, &dev, addr, 0x48, &["--sink", "--depth", "1024"]);
 
-    let node = Arc::new(Node::open(&dev, 64, args.qps * args.window)?);
+    let node = Arc::new(Verbs::open(&dev, 64, args.qps * args.window)?);
     let gid_index = node.res.port.gid_index;
     let cfg = SetupConfig {
         max_send_wr: args.window,
@@ -207,7 +207,13 @@ fn main() -> Result<()> {
 
 /// Sends `size`-byte messages round-robin over `conns` for `dur`, `window` in flight per QP,
 /// busy-polling the CQ; then waits for what is in flight. Counts completed sends.
-fn blast(node: &Node, conns: &[Connection], size: u32, window: u32, dur: Duration) -> Result<Rate> {
+fn blast(
+    node: &Verbs,
+    conns: &[Connection],
+    size: u32,
+    window: u32,
+    dur: Duration,
+) -> Result<Rate> {
     let index: HashMap<u32, usize> = conns
         .iter()
         .enumerate()

@@ -21,7 +21,7 @@ use ipoib_ctl::{
     engine::{Engine, EngineConfig, Route},
     tun::Tun,
 };
-use ipoib_tests::cmlab::{Node, Pump, QpTable};
+use ipoib_tests::cmlab::{Pump, QpTable, Verbs};
 
 #[derive(Parser)]
 struct Args {
@@ -66,7 +66,7 @@ fn parse_u32(s: &str) -> Result<u32, String> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let node = Arc::new(Node::open(&args.device, args.depth, 256)?);
+    let node = Arc::new(Verbs::open(&args.device, args.depth, 256)?);
     let cfg = SetupConfig {
         max_concurrent: args.max_setups,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
