@@ -48,6 +48,12 @@ fn cm_peer<'a>(cm: &'a CmStatus, ip: &str) -> Option<&'a PeerStatus> {
     cm.peers.iter().find(|p| p.addr.to_string() == ip)
 }
 
+/// What `n`'s `ipoib-ctl attach` logged, for a failure message.
+fn ctl_log(n: &Node) -> String {
+    let path = std::env::temp_dir().join(format!("{}.ctl.log", n.ns));
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
 /// Packets the fast path counted for one decision reason.
 fn reason(s: &Status, k: &str) -> u64 {
     s.reasons.get(k).map_or(0, |c| c.packets)
@@ -742,7 +748,13 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
         "max-connections=3: A holds {raised} after {:.1?}",
         t.elapsed()
     );
-    assert_eq!(raised, 3, "{:#?}", a.cm().unwrap());
+    assert_eq!(
+        raised,
+        3,
+        "{:#?}\nA's log:\n{}",
+        a.cm().unwrap(),
+        ctl_log(&a)
+    );
     set(1);
     let t = Instant::now();
     let lowered = wait_held(1, Duration::from_secs(10));
@@ -750,7 +762,13 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
         "max-connections=1: A holds {lowered} after {:.1?}",
         t.elapsed()
     );
-    assert_eq!(lowered, 1, "{:#?}", a.cm().unwrap());
+    assert_eq!(
+        lowered,
+        1,
+        "{:#?}\nA's log:\n{}",
+        a.cm().unwrap(),
+        ctl_log(&a)
+    );
     for s in streams {
         let sent = s.finish();
         assert!(sent > 1 << 20, "{sent} bytes");
@@ -986,7 +1004,8 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains() {
 /// stalls in an await, or blocks the runtime's thread): within the heartbeat deadline the
 /// flow goes UD, and goes on intact. What catches each: a task that ended stops connected
 /// mode at once (peers UD in the map); a loop that stopped turning withholds the heartbeat
-/// and stops connected mode at the next tick; a blocked thread stops the heartbeat itself.
+/// (the fail-safe then sends every packet UD, and an engine that turns again gets it back); a
+/// blocked thread stops the heartbeat itself.
 fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
     let test = format!("a_wedged_engine_goes_ud_{fault}");
     let Some((dev, baseline, mut lab)) = rdma_lab(&test, tag, 2) else {
