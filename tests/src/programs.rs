@@ -1,11 +1,11 @@
 //! The programs the tests run, and where each comes from: the table provisioning installs
-//! from (`xtask/src/programs.rs`, included here as it is), and the one way the test
+//! from (`xtask/src/provision/programs.rs`, included here as it is), and the one way the test
 //! libraries and tests run a program ([`output`], [`must`], [`sh`], [`sh_ok`]), which names the
 //! package when the program is missing.
 
 use std::process::{Command, Output};
 
-#[path = "../../xtask/src/programs.rs"]
+#[path = "../../xtask/src/provision/programs.rs"]
 mod table;
 
 pub use table::{PROGRAMS, Program, Scope, Source, missing_message, on_path, program};

@@ -3,7 +3,6 @@
 //! Everything a fresh machine lacks is installed by `provision`, which every other task runs
 //! first; it is idempotent and a second run does nothing.
 
-mod programs;
 mod provision;
 #[cfg(test)]
 mod spawned;

@@ -13,10 +13,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{
-    StatusOk as _, is_root,
-    programs::{self, PROGRAMS, Program, Source, on_path},
-};
+use crate::{StatusOk as _, is_root};
+
+pub mod programs;
+use programs::{PROGRAMS, Program, Source, on_path};
 
 #[derive(Default, Clone, Copy)]
 pub struct Scope {

@@ -1,5 +1,5 @@
 //! Finds the programs the workspace's sources spawn, so a test can hold them against the
-//! table in [`crate::programs`]. It reads the source text, not the syntax tree: it knows the
+//! table in [`crate::provision::programs`]. It reads the source text, not the syntax tree: it knows the
 //! shapes this project spawns with, and its own tests pin each shape down.
 //!
 //! - `Command::new("NAME")` (std and tokio);
@@ -119,7 +119,7 @@ pub fn rust_sources(root: &Path) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::programs::{PROGRAMS, Program, program};
+    use crate::provision::programs::{PROGRAMS, Program, program};
 
     #[test]
     fn each_call_shape_is_found() {
@@ -185,7 +185,7 @@ mod tests {
         let missing = missing_from(PROGRAMS, &workspace());
         assert!(
             missing.is_empty(),
-            "spawned but not in xtask/src/programs.rs (so nothing installs them on a fresh \
+            "spawned but not in xtask/src/provision/programs.rs (so nothing installs them on a fresh \
              machine): {missing:?}"
         );
     }

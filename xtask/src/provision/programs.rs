@@ -230,7 +230,7 @@ pub fn missing_message(name: &str) -> String {
         }
         Some((Source::Built, _)) => "`cargo xtask provision` builds it".into(),
         Some((Source::Toolchain, _)) => "it comes with the Rust toolchain (rustup)".into(),
-        None => "it is not in xtask/src/programs.rs, so nothing installs it".into(),
+        None => "it is not in xtask/src/provision/programs.rs, so nothing installs it".into(),
     };
     format!("`{name}` is not installed: {from}")
 }
