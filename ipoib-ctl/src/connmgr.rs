@@ -16,7 +16,6 @@ use std::{
     collections::HashMap,
     io,
     net::{IpAddr, SocketAddr},
-    os::fd::{AsRawFd, RawFd},
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -36,11 +35,11 @@ use crate::{
     cm::{Cm, Connection, Gone, RejectReason, SetupConfig, SetupError},
     engine::{
         Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Fault,
-        HOUSEKEEPING, Route,
+        HOUSEKEEPING, RawFdRef, Route,
     },
     maps::{DatapathMaps, MapsError},
     netdev::{self, NetdevError, Resolve},
-    plan::{self, CM_BUF_SIZE, PAGE_SIZE, PlanKind},
+    plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind},
     policy::Mode,
     promotion::{Config as PromotionConfig, Failure, Promoter},
     tun::{Tun, TunError},
@@ -200,7 +199,7 @@ fn open_hca(opts: &CmOptions) -> Result<Hca, CmError> {
         });
     }
     let depth = p.ring as u32;
-    let stride = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let stride = CM_BUF_STRIDE;
     let buffer = p.buffer_bytes as u32;
     let t0 = std::time::Instant::now();
     let res = Resources::create(&dev, opts.port, depth, buffer, opts.send_slots, stride)?;
@@ -248,8 +247,7 @@ fn open_tun(iface: &str) -> Result<(Tun, u32), CmError> {
 fn lower_gso(iface: &str) -> Result<Option<u64>, CmError> {
     let before = netdev::gso_max_size(iface);
     if before.is_none_or(|g| g > u64::from(GSO_MAX_SIZE)) {
-        let size = GSO_MAX_SIZE.to_string();
-        netdev::ip(&["link", "set", "dev", iface, "gso_max_size", &size])?;
+        netdev::set_gso_max_size(iface, u64::from(GSO_MAX_SIZE))?;
     }
     Ok(before)
 }
@@ -269,13 +267,6 @@ fn reset_peers(maps: &mut DatapathMaps) -> Result<(), CmError> {
         }
     }
     Ok(())
-}
-
-struct RawFdRef(RawFd);
-impl AsRawFd for RawFdRef {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0
-    }
 }
 
 /// How a setup or a watched connection ended (from the tasks that run them).
@@ -654,8 +645,8 @@ impl Manager {
                     }
                 }
                 Command::SetSetupLimit(n) => self.cm.set_limit(n),
-                Command::ArmSrqLimit => {
-                    if let Err(e) = self.res.srq.arm_limit(self.srq_depth / 4) {
+                Command::ArmSrqLimit(limit) => {
+                    if let Err(e) = self.res.srq.arm_limit(limit) {
                         tracing::warn!("arming the SRQ limit: {e}");
                     }
                 }
@@ -782,9 +773,7 @@ impl Manager {
         };
         let _ = std::fs::remove_file(&self.opts.status_path);
         if let Some(g) = self.gso_before.filter(|g| *g > u64::from(GSO_MAX_SIZE)) {
-            let iface = &self.iface;
-            let size = g.to_string();
-            let _ = netdev::ip(&["link", "set", "dev", iface, "gso_max_size", &size]);
+            let _ = netdev::set_gso_max_size(&self.iface, g);
         }
         tracing::info!("CM on {} stopped; every peer is on UD", self.iface);
         result

@@ -161,6 +161,12 @@ pub struct Route {
     pub mtu: u32,
 }
 
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Route(QP {}, MTU {})", self.qp.qpn(), self.mtu)
+    }
+}
+
 /// What the control plane tells the engine.
 #[derive(Debug)]
 pub enum EngineCommand {
@@ -214,12 +220,6 @@ async fn inject(f: Fault) {
     }
 }
 
-impl std::fmt::Debug for Route {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Route(QP {}, MTU {})", self.qp.qpn(), self.mtu)
-    }
-}
-
 /// The control plane's end of the engine's command channel (clone freely).
 #[derive(Clone)]
 pub struct EngineControl(mpsc::UnboundedSender<EngineCommand>);
@@ -257,7 +257,8 @@ impl Default for EngineConfig {
     }
 }
 
-struct RawFdRef(RawFd);
+/// A raw fd owned elsewhere, for `AsyncFd` (the owner must outlive the registration).
+pub(crate) struct RawFdRef(pub(crate) RawFd);
 impl AsRawFd for RawFdRef {
     fn as_raw_fd(&self) -> RawFd {
         self.0

@@ -190,6 +190,18 @@ pub fn gso_max_size(iface: &str) -> Option<u64> {
     link_attr(iface, "gso_max_size").ok()??.as_u64()
 }
 
+/// Sets the interface's gso_max_size.
+pub fn set_gso_max_size(iface: &str, size: u64) -> Result<(), NetdevError> {
+    ip(&[
+        "link",
+        "set",
+        "dev",
+        iface,
+        "gso_max_size",
+        &size.to_string(),
+    ])
+}
+
 /// How a peer's IPoIB hardware address (GID and UD QPN) is found from its IP address.
 #[derive(Debug, Clone)]
 pub enum Resolve {

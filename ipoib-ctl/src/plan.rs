@@ -28,6 +28,8 @@ use serde::Serialize;
 pub const PAGE_SIZE: u64 = 4096;
 /// Linux' CM receive buffer (IPOIB_CM_BUF_SIZE: IPOIB_CM_MTU + IPOIB_ENCAP_LEN).
 pub const CM_BUF_SIZE: u64 = 65524;
+/// Bytes between registered buffers: one CM message in whole pages.
+pub const CM_BUF_STRIDE: u64 = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
 /// SGEs the default buffer needs (a head plus 15 pages).
 pub const CM_BUF_SGES: u32 = 16;
 /// Kernel default ring size per connection without SRQ, for comparisons.

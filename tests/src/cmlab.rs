@@ -18,12 +18,12 @@ use anyhow::{Result, bail};
 use crate::lab::{ctl_path, sibling_exe};
 use ipoib_ctl::{
     cm::HwAddr,
-    plan::{CM_BUF_SIZE, PAGE_SIZE},
+    plan::{CM_BUF_SIZE, CM_BUF_STRIDE},
     verbs::{CompletionQueue, Device, MemoryRegion, RcQueuePair, Resources},
 };
 
 /// Bytes between receive buffers: one CM message in whole pages.
-pub const STRIDE: u64 = CM_BUF_SIZE.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+pub const STRIDE: u64 = CM_BUF_STRIDE;
 
 /// A test node's verbs side (the RC tests' stand-in for a control loop; a lab node, its namespace,
 /// is [`crate::lab::Node`]): one SRQ of `depth` CM-sized receives, one CQ for sends and receives

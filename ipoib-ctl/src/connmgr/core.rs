@@ -19,6 +19,7 @@ use std::{
 
 use ipoib_common::PeerMode;
 
+pub use crate::cm::Gone;
 use crate::{
     policy::Mode,
     promotion::{Action, Demotion, Failure, Pin, Promoter, Sample, State},
@@ -41,8 +42,9 @@ pub enum Command {
     Discard { ip: IpAddr, qpn: u32 },
     /// Refuse incoming setups past this many connections (REJ no-resources).
     SetSetupLimit(usize),
-    /// Arm the SRQ limit event again (it disarms itself when it fires).
-    ArmSrqLimit,
+    /// Arm the SRQ limit event again at this many posted buffers (it disarms itself when it
+    /// fires).
+    ArmSrqLimit(u32),
 }
 
 /// What the manager reads for a tick: the policy, the peer map's pins and the fast path's
@@ -135,7 +137,7 @@ impl Core {
         }
         if !self.srq_armed && input.srq_posted > self.srq_limit {
             self.srq_armed = true;
-            self.push(Command::ArmSrqLimit);
+            self.push(Command::ArmSrqLimit(self.srq_limit));
         }
         if input.max_connections != self.max_connections {
             tracing::info!(
@@ -364,9 +366,6 @@ impl Core {
             .collect()
     }
 }
-
-/// How a watched connection's peer went.
-pub use crate::cm::Gone;
 
 #[cfg(test)]
 mod tests;

@@ -303,7 +303,7 @@ fn the_srq_limit_is_counted_and_armed_again_once_refilled() {
             ..low.clone()
         },
     );
-    assert_eq!(drain(&mut c), [Command::ArmSrqLimit]);
+    assert_eq!(drain(&mut c), [Command::ArmSrqLimit(64)]);
     c.handle_tick(
         3 * SEC,
         TickInput {
