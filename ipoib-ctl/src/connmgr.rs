@@ -39,11 +39,11 @@ use crate::{
     },
     maps::{DatapathMaps, MapsError},
     netdev::{self, NetdevError, Resolve},
-    plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind},
+    plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
     policy::Mode,
     promotion::{Config as PromotionConfig, Failure, Promoter},
     tun::{Tun, TunError},
-    verbs::{self, AsyncEvent, Device, Resources, VerbsError},
+    verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +81,8 @@ pub struct CmOptions {
     pub ctl_port: u16,
     /// Policy `memory-budget`, or None for the automatic rule.
     pub memory_budget: Option<u64>,
+    /// Whether the HCA's SRQ may be used (`attach --srq`).
+    pub srq: SrqChoice,
     /// Registered send buffers, shared by every connection.
     pub send_slots: u32,
     /// How often the policy runs.
@@ -103,11 +105,63 @@ pub struct PeerStatus {
     pub promotions: u64,
 }
 
+/// Where receives land, and what they cost, in the CM status.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, Default, PartialEq, Eq)]
+pub struct ReceiveStatus {
+    /// "srq" (one shared receive queue) or "rings" (a ring per connection).
+    pub model: String,
+    /// Buffers of the SRQ, or of each ring.
+    pub depth: u32,
+    /// Rings that exist now (set up, in use or being torn down), and the plan's K.
+    pub rings: u32,
+    pub max_rings: u32,
+    /// Receive memory registered now, and the plan's budget.
+    pub registered_bytes: u64,
+    pub budget_bytes: u64,
+    /// Rings made, refused at K, and the mean time to register one (µs).
+    pub rings_made: u64,
+    pub rings_refused: u64,
+    pub ring_register_us: u64,
+}
+
+impl ReceiveStatus {
+    fn of(recv: &Receive, budget_bytes: u64) -> Self {
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let registered_bytes = recv.registered_bytes();
+        match recv {
+            Receive::Srq(srq) => Self {
+                model: "srq".into(),
+                depth: srq.depth,
+                registered_bytes,
+                budget_bytes,
+                ..Self::default()
+            },
+            Receive::Rings(pool) => {
+                let made = get(&pool.made);
+                Self {
+                    model: "rings".into(),
+                    depth: pool.depth,
+                    rings: pool.in_use(),
+                    max_rings: pool.max,
+                    registered_bytes,
+                    budget_bytes,
+                    rings_made: made,
+                    rings_refused: get(&pool.refused),
+                    ring_register_us: get(&pool.register_ns) / made.max(1) / 1000,
+                }
+            }
+        }
+    }
+}
+
 /// What the CM side reports, written as JSON to `status_path` every tick.
 #[derive(Debug, Clone, Serialize, serde::Deserialize, Default)]
 pub struct CmStatus {
     pub device: String,
     pub tun: String,
+    #[serde(default)]
+    pub receive: ReceiveStatus,
+    /// The SRQ's buffers (0 with rings per connection).
     pub srq_depth: u32,
     /// Times fewer than a quarter of the SRQ's buffers were posted (the SRQ limit event).
     #[serde(default)]
@@ -181,39 +235,85 @@ fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
 struct Hca {
     dev: Device,
     res: Arc<Resources>,
-    srq_depth: u32,
-    max_connections: usize,
+    model: ReceiveModel,
+    plan: plan::Plan,
 }
 
+impl Hca {
+    /// The SRQ's buffers (0 with rings per connection).
+    fn srq_depth(&self) -> u32 {
+        match self.model {
+            ReceiveModel::Srq { depth } => depth,
+            ReceiveModel::Rings { .. } => 0,
+        }
+    }
+
+    fn max_connections(&self) -> usize {
+        self.plan.max_cm_peers as usize
+    }
+}
+
+/// Opens the device and builds what its plan says. The receive model follows the HCA: an
+/// SRQ where it has one (and `--srq off` did not turn it down), rings per connection
+/// otherwise, and also where making the SRQ fails.
 fn open_hca(opts: &CmOptions) -> Result<Hca, CmError> {
     let dev = Device::open(&opts.device).map_err(|e| match e {
         VerbsError::NoDevices => CmError::NoDevice(opts.device.clone()),
         e => e.into(),
     })?;
-    let p = plan::plan(&dev.limits()?, verbs::system_memory(), opts.memory_budget);
-    if p.kind != PlanKind::Srq || p.max_cm_peers == 0 {
-        // Per-connection rings (no SRQ) are planned but not built yet.
-        return Err(CmError::NoPlan {
-            device: opts.device.clone(),
-            why: p.why,
-        });
+    let limits = dev.limits()?;
+    let mem = verbs::system_memory();
+    let p = plan::plan_with(&limits, mem, opts.memory_budget, opts.srq);
+    match build(&dev, opts, &p) {
+        Err(CmError::Verbs(e)) if p.kind == PlanKind::Srq => {
+            tracing::warn!(
+                "{}: the SRQ could not be made ({e}): a receive ring per connection instead",
+                opts.device
+            );
+            let p = plan::plan_with(&limits, mem, opts.memory_budget, SrqChoice::Off);
+            build(&dev, opts, &p)
+        }
+        r => r,
     }
-    let depth = p.ring as u32;
-    let stride = CM_BUF_STRIDE;
-    let buffer = p.buffer_bytes as u32;
-    let t0 = std::time::Instant::now();
-    let res = Resources::create(&dev, opts.port, depth, buffer, opts.send_slots, stride)?;
+}
+
+/// The resources of plan `p` on `dev`.
+fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan) -> Result<Hca, CmError> {
+    let (depth, k) = (
+        p.ring as u32,
+        p.max_cm_peers.min(u64::from(u32::MAX)) as u32,
+    );
+    let model = match p.kind {
+        PlanKind::Srq => ReceiveModel::Srq { depth },
+        PlanKind::PerConnection => ReceiveModel::Rings { depth, max: k },
+        PlanKind::UdOnly => {
+            return Err(CmError::NoPlan {
+                device: opts.device.clone(),
+                why: p.why.clone(),
+            });
+        }
+    };
+    let (buffer, t0) = (p.buffer_bytes as u32, std::time::Instant::now());
+    let res = Resources::create(
+        dev,
+        opts.port,
+        model,
+        buffer,
+        opts.send_slots,
+        CM_BUF_STRIDE,
+    )?;
     tracing::info!(
-        "{}: SRQ of {depth} buffers and {} send slots registered in {:.1?}",
+        "{}: {model:?} and {} send slots set up in {:.1?}: {}",
         opts.device,
         opts.send_slots,
-        t0.elapsed()
+        t0.elapsed(),
+        p.why
     );
     Ok(Hca {
-        dev,
+        dev: dev.clone(),
         res,
-        srq_depth: depth,
-        max_connections: p.max_cm_peers as usize,
+        model,
+        plan: p.clone(),
     })
 }
 
@@ -334,6 +434,8 @@ pub struct Manager {
     res: Arc<Resources>,
     srq_depth: u32,
     plan_max: usize,
+    /// The plan's receive memory budget.
+    budget_bytes: u64,
     cm: Arc<Cm>,
     /// The handshake listener's task.
     serve: JoinHandle<io::Result<()>>,
@@ -397,10 +499,11 @@ impl Manager {
             iface: iface.to_string(),
             core,
             maps,
+            srq_depth: hca.srq_depth(),
+            plan_max: hca.max_connections(),
+            budget_bytes: hca.plan.budget_bytes,
             dev: hca.dev,
             res: hca.res,
-            srq_depth: hca.srq_depth,
-            plan_max: hca.max_connections,
             cm,
             serve,
             engine,
@@ -424,8 +527,15 @@ impl Manager {
 
     fn log_started(&self) {
         let port = &self.res.port;
+        let receive = match &self.res.recv {
+            Receive::Srq(srq) => format!("SRQ {} x {CM_BUF_SIZE} B", srq.depth),
+            Receive::Rings(pool) => format!(
+                "a ring of {} x {CM_BUF_SIZE} B per connection, at most {} rings",
+                pool.depth, pool.max
+            ),
+        };
         tracing::info!(
-            "CM on {}: {} port {} ({} GID index {}), TUN {}, SRQ {} x {} B, at most {} \
+            "CM on {}: {} port {} ({} GID index {}), TUN {}, {receive}, at most {} \
              connections, handshake on TCP {}",
             self.iface,
             self.opts.device,
@@ -433,8 +543,6 @@ impl Manager {
             if port.ethernet { "RoCE" } else { "IB" },
             port.gid_index,
             self.tun,
-            self.srq_depth,
-            CM_BUF_SIZE,
             self.core.max_connections(),
             self.opts.ctl_port
         );
@@ -509,7 +617,7 @@ impl Manager {
             max_connections: cap(&self.iface, self.plan_max),
             pins: self.pins(),
             traffic: self.traffic(),
-            srq_posted: self.res.srq.posted(),
+            srq_posted: self.res.recv.srq().map_or(0, |s| s.posted()),
         };
         self.core.handle_tick(monotonic_ns(), input);
         self.execute()?;
@@ -646,7 +754,8 @@ impl Manager {
                 }
                 Command::SetSetupLimit(n) => self.cm.set_limit(n),
                 Command::ArmSrqLimit(limit) => {
-                    if let Err(e) = self.res.srq.arm_limit(limit) {
+                    let armed = self.res.recv.srq().map(|s| s.arm_limit(limit));
+                    if let Some(Err(e)) = armed {
                         tracing::warn!("arming the SRQ limit: {e}");
                     }
                 }
@@ -740,6 +849,7 @@ impl Manager {
         let status = CmStatus {
             device: self.opts.device.clone(),
             tun: self.tun.clone(),
+            receive: ReceiveStatus::of(&self.res.recv, self.budget_bytes),
             srq_depth: self.srq_depth,
             srq_low_events: self.core.srq_low_events(),
             max_connections: self.core.max_connections(),
@@ -796,8 +906,8 @@ impl From<PeerView> for PeerStatus {
 /// to `cm`, before the listener takes a REQ.
 fn new_core(iface: &str, opts: &CmOptions, hca: &Hca, cm: &Cm) -> Core {
     let mut promo = opts.promotion.clone();
-    promo.max_connections = cap(iface, hca.max_connections);
-    let mut core = Core::new(Promoter::new(promo, Mode::Auto), hca.srq_depth);
+    promo.max_connections = cap(iface, hca.max_connections());
+    let mut core = Core::new(Promoter::new(promo, Mode::Auto), hca.srq_depth());
     while let Some(c) = core.next_command() {
         if let Command::SetSetupLimit(n) = c {
             cm.set_limit(n);

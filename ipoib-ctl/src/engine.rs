@@ -3,9 +3,11 @@
 //! - Transmit: a packet read from the TUN device (virtio-net header + IP packet, a whole GSO
 //!   super-packet at most 64 KiB) is copied into a registered send slot and posted as one RC
 //!   SEND on the connection of its destination address. Send completions free the slot.
-//! - Receive: every connection receives into the one SRQ; a receive completion's bytes (the
-//!   same header + packet the sender read) are written into the TUN device, and the buffer is
-//!   posted again at once.
+//! - Receive: every connection receives into the one SRQ, or, on an HCA without one, into a
+//!   ring of its own (the receive's work request id names the ring and the slot: see
+//!   [`crate::verbs::Receive`]); a receive completion's bytes (the same header + packet the
+//!   sender read) are written into the TUN device, and the buffer is posted again at once, on
+//!   the SRQ or the connection's ring.
 //!
 //! The RC message is `[virtio_net_hdr (10 B)][IP packet]`: the GSO type and size travel with
 //! the packet, so the receiving stack takes the super-packet whole (no segmentation on either
@@ -193,6 +195,9 @@ pub enum Fault {
     Stall,
     /// It blocks the runtime's thread (nothing on that thread turns any more).
     Hang,
+    /// Its task takes nothing for this many milliseconds, then goes on (a busy receiver: its
+    /// receive buffers run dry meanwhile).
+    Pause(u64),
 }
 
 impl std::str::FromStr for Fault {
@@ -203,12 +208,17 @@ impl std::str::FromStr for Fault {
             "panic" => Ok(Fault::Panic),
             "stall" => Ok(Fault::Stall),
             "hang" => Ok(Fault::Hang),
-            other => Err(format!("unknown fault `{other}` (panic, stall, hang)")),
+            other => match other.strip_prefix("pause ").map(|ms| ms.trim().parse()) {
+                Some(Ok(ms)) => Ok(Fault::Pause(ms)),
+                _ => Err(format!(
+                    "unknown fault `{other}` (panic, stall, hang, pause MS)"
+                )),
+            },
         }
     }
 }
 
-/// Breaks the engine as `f` says (never returns).
+/// Breaks the engine as `f` says (returns only after a pause).
 async fn inject(f: Fault) {
     tracing::warn!("test fault: engine {f:?}");
     match f {
@@ -217,6 +227,7 @@ async fn inject(f: Fault) {
         Fault::Hang => loop {
             std::thread::sleep(Duration::from_secs(1));
         },
+        Fault::Pause(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
     }
 }
 
@@ -593,44 +604,53 @@ impl Core {
     /// Takes every completion: receives and sends apart.
     fn completions(&mut self, tun: &Tun) -> Result<(), EngineError> {
         let mut wcs = Vec::with_capacity(64);
-        let mut repost = Vec::with_capacity(64);
         loop {
             if self.res.recv_cq.poll(&mut wcs, 64)? == 0 {
                 return Ok(());
             }
             for wc in &wcs {
                 if wc.recv {
-                    self.on_receive(tun, wc);
-                    repost.push(wc.wr_id as u32);
+                    self.on_receive(tun, wc)?;
                 } else {
                     self.on_send_done(wc);
                 }
             }
-            if !repost.is_empty() {
-                self.res.srq.post_slots(&repost)?;
-                repost.clear();
-            }
         }
     }
 
-    /// A receive completed: its message into the TUN device (the caller posts the buffer
-    /// again).
-    fn on_receive(&mut self, tun: &Tun, wc: &Completion) {
-        let srq = &self.res.srq;
-        srq.completed(1);
+    /// A receive completed: its message into the TUN device, and its buffer posted again on
+    /// the SRQ or its connection's ring. A ring's receive flushed in error is not posted again
+    /// (its QP is going), nor one whose ring is already gone.
+    fn on_receive(&mut self, tun: &Tun, wc: &Completion) -> Result<(), EngineError> {
+        let Some(buf) = self.res.recv.filled(wc) else {
+            Self::count(&self.stats.rx_errors);
+            return Ok(());
+        };
+        let on_ring = buf.qp().is_some();
         if wc.error.is_some() {
-            return Self::count(&self.stats.rx_errors);
+            Self::count(&self.stats.rx_errors);
+            if on_ring {
+                return Ok(());
+            }
+        } else if tun.send(buf.bytes()).is_err() {
+            Self::count(&self.stats.rx_tun_errors);
+        } else {
+            self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
+            let bytes = u64::from(wc.bytes);
+            self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
+            *self.rx_by_qp.entry(wc.qp_num).or_default() += bytes;
+            self.rx_changed = true;
         }
-        // SAFETY: the receive completed; the slot is ours until posted again.
-        let msg = unsafe { &srq.region.slot(wc.wr_id as u32)[..wc.bytes as usize] };
-        if tun.send(msg).is_err() {
-            return Self::count(&self.stats.rx_tun_errors);
+        match buf.repost() {
+            Ok(()) => Ok(()),
+            // A ring whose QP went to the error state takes no receives: the connection is
+            // going, and the control plane hears of it from the QP.
+            Err(e) if on_ring => {
+                tracing::debug!("reposting on QP {}: {e}", wc.qp_num);
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
         }
-        self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
-        let bytes = u64::from(wc.bytes);
-        self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
-        *self.rx_by_qp.entry(wc.qp_num).or_default() += bytes;
-        self.rx_changed = true;
     }
 
     /// A send completed: its slot is free, and a waiting packet of the same connection goes.
@@ -694,7 +714,10 @@ mod tests {
         assert_eq!("panic".parse(), Ok(Fault::Panic));
         assert_eq!(" stall\n".parse(), Ok(Fault::Stall));
         assert_eq!("hang".parse(), Ok(Fault::Hang));
+        assert_eq!("pause 2000\n".parse(), Ok(Fault::Pause(2000)));
         assert!("crash".parse::<Fault>().is_err());
+        assert!("pause".parse::<Fault>().is_err());
+        assert!("pause soon".parse::<Fault>().is_err());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use ipoib_ctl::{
     attach::{self, AttachError},
     connmgr, daemon,
     netdev::Netdev,
+    plan::SrqChoice,
     policy::PolicyChange,
     status,
 };
@@ -69,7 +70,7 @@ enum Cmd {
         heartbeat-timeout=DURATION     fail-safe deadline, 100ms..1h (default 3s)\n  \
         kernel-cm=on|off               let the kernel's own connected mode carry UD traffic (default off)\n  \
         ctl-port=PORT                  TCP port of the CM handshake, always UD (default 4755)\n  \
-        memory-budget=SIZE             receive memory for CM, 16MiB..1TiB (default: worked out)\n  \
+        memory-budget=SIZE             receive memory for CM, 4MiB..1TiB (default: worked out)\n  \
         max-connections=N              CM connections at most, below the memory plan (takes effect live)\n  \
         peer=ADDR:ud|cm|auto|block     per-peer override (repeatable; [v6]:pin or v6:pin)\n\n\
         Examples:\n  ipoib-ctl set-policy ib0 mode=datagram\n  \
@@ -102,9 +103,12 @@ enum Cmd {
     Caps {
         #[arg(long)]
         json: bool,
-        /// Plan with this budget instead of the automatic one (16MiB..1TiB).
+        /// Plan with this budget instead of the automatic one (4MiB..1TiB).
         #[arg(long, value_name = "SIZE")]
         memory_budget: Option<String>,
+        /// Plan as `attach --srq` would: `off` plans rings per connection on any HCA.
+        #[arg(long, value_enum, default_value_t = SrqChoice::Auto, value_name = "WHEN")]
+        srq: SrqChoice,
     },
     /// Per-peer mode, pin and traffic by path on IFACE.
     #[command(after_help = "Example:\n  ipoib-ctl peers ib0 --json")]
@@ -129,6 +133,12 @@ struct CmArgs {
     /// 0x100 + the last byte of the interface's IPv4 address).
     #[arg(long, value_name = "QPN", value_parser = parse_qpn)]
     ud_qpn: Option<u32>,
+    /// Whether connected mode may use the HCA's shared receive queue: `auto` follows the HCA
+    /// (an SRQ where it has one, else a receive ring per connection, as many as the memory
+    /// budget holds); `off` takes rings per connection on any HCA (for one whose SRQ
+    /// misbehaves).
+    #[arg(long, value_enum, default_value_t = SrqChoice::Auto, value_name = "WHEN")]
+    srq: SrqChoice,
     /// No connected mode: the fast path only, every peer on UD.
     #[arg(long, conflicts_with = "cm_device")]
     no_cm: bool,
@@ -138,7 +148,7 @@ struct CmArgs {
     /// Seconds a connection lives at least, and a demoted peer waits before promotion again.
     #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = parse_secs)]
     cm_min_hold: f64,
-    /// Tests only: break the engine on request (`panic`, `stall` or `hang` written into
+    /// Tests only: break the engine on request (`panic`, `stall`, `hang` or `pause MS` written into
     /// /run/ipoib-ctl/IFACE.fault), to prove the control loop catches it.
     #[arg(long, hide = true)]
     test_faults: bool,
@@ -202,7 +212,8 @@ fn cm_options(
         resolve,
         ctl_port,
         memory_budget: att.state.memory_budget,
-        send_slots: 256,
+        srq: args.srq,
+        send_slots: ipoib_ctl::plan::SEND_SLOTS,
         tick: Duration::from_secs(1),
         status_path: connmgr::status_path(iface),
         promotion: ipoib_ctl::promotion::Config {
@@ -331,7 +342,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Caps {
             json,
             memory_budget,
-        } => caps(json, memory_budget.as_deref()),
+            srq,
+        } => caps(json, memory_budget.as_deref(), srq),
         Cmd::Peers { iface, json } => {
             let peers = status::peers(&attach::open(&iface)?)?;
             if json {
@@ -390,7 +402,7 @@ fn cmd_status(iface: Option<String>, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn caps(json: bool, memory_budget: Option<&str>) -> Result<()> {
+fn caps(json: bool, memory_budget: Option<&str>, srq: SrqChoice) -> Result<()> {
     use ipoib_ctl::{plan, verbs};
     let budget = match memory_budget {
         Some(v) => Some(
@@ -404,7 +416,7 @@ fn caps(json: bool, memory_budget: Option<&str>) -> Result<()> {
     let mem = verbs::system_memory();
     let planned: Vec<_> = devices
         .iter()
-        .map(|d| (d, plan::plan(&d.limits(), mem, budget)))
+        .map(|d| (d, plan::plan_with(&d.limits(), mem, budget, srq)))
         .collect();
     if json {
         let v: Vec<_> = planned
@@ -451,9 +463,23 @@ fn print_device(d: &ipoib_ctl::verbs::DeviceCaps) {
 }
 
 fn print_plan(p: &ipoib_ctl::plan::Plan) {
-    use ipoib_ctl::{plan, policy::format_size};
+    use ipoib_ctl::{
+        plan::{self, PlanKind},
+        policy::format_size,
+    };
+    let model = match p.kind {
+        PlanKind::Srq => format!("one SRQ of {} buffers", p.ring),
+        PlanKind::PerConnection => format!(
+            "a ring of {} buffers per connection, at most {} rings (K)",
+            p.ring, p.max_cm_peers
+        ),
+        PlanKind::UdOnly => "none (UD only)".into(),
+    };
     println!(
-        "  memory plan ({:?}): {}\n    uses {} of a {} budget ({}); buffer {} B, cm mtu {}",
+        "  memory plan ({:?}): {}
+    receive model: {model}
+    uses {} of a {} budget ({}); \
+         buffer {} B, cm mtu {}",
         p.kind,
         p.why,
         format_size(p.memory_bytes),

@@ -42,6 +42,11 @@ pub const MIN_SRQ_DEPTH: u64 = 64;
 pub const MAX_SRQ_DEPTH: u64 = 8192;
 /// Queue pairs left to the UD side and the control plane.
 pub const QP_RESERVE: u64 = 8;
+/// Registered send buffers, shared by every connection.
+pub const SEND_SLOTS: u32 = 256;
+/// Completion queue entries kept for the sends (twice the slots: a slot may complete in
+/// error after a flush); every receive that may be posted needs one besides.
+pub const CQ_SEND_RESERVE: u64 = 2 * SEND_SLOTS as u64;
 
 pub const BUDGET_MIN: u64 = 64 << 20;
 pub const BUDGET_MAX: u64 = 2 << 30;
@@ -56,6 +61,44 @@ pub struct HcaLimits {
     pub max_srq: u64,
     pub max_srq_wr: u64,
     pub max_srq_sge: u64,
+}
+
+impl HcaLimits {
+    /// These limits as an HCA without an SRQ would have them (`--srq off`).
+    pub fn without_srq(self) -> Self {
+        Self {
+            max_srq: 0,
+            max_srq_wr: 0,
+            max_srq_sge: 0,
+            ..self
+        }
+    }
+}
+
+/// Whether connected mode may use the HCA's SRQ: the operator's one override of the receive
+/// model (`attach --srq`). `Auto` follows the HCA (an SRQ where it has one and creating it
+/// works, else a ring per connection); `Off` takes rings per connection on any HCA (for an
+/// HCA whose SRQ misbehaves, and to prove the rings on one that has an SRQ).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[derive(clap::ValueEnum)]
+pub enum SrqChoice {
+    #[default]
+    Auto,
+    Off,
+}
+
+/// The plan with the operator's SRQ choice applied.
+pub fn plan_with(
+    hca: &HcaLimits,
+    system_memory: u64,
+    policy_budget: Option<u64>,
+    srq: SrqChoice,
+) -> Plan {
+    match srq {
+        SrqChoice::Auto => plan(hca, system_memory, policy_budget),
+        SrqChoice::Off => plan(&hca.without_srq(), system_memory, policy_budget),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -157,7 +200,7 @@ fn plan_srq(p: &mut Plan, hca: &HcaLimits, qps: u64) {
     let fit = p.budget_bytes / p.buffer_cost;
     let depth = pow2_floor(
         fit.min(hca.max_srq_wr)
-            .min(hca.max_cqe.saturating_sub(1))
+            .min(hca.max_cqe.saturating_sub(CQ_SEND_RESERVE))
             .min(MAX_SRQ_DEPTH),
     );
     if depth < MIN_SRQ_DEPTH {
@@ -180,10 +223,17 @@ fn plan_srq(p: &mut Plan, hca: &HcaLimits, qps: u64) {
 fn plan_rings(p: &mut Plan, hca: &HcaLimits, qps: u64) {
     let ring = RING_PER_CONNECTION.min(hca.max_qp_wr);
     let per_conn = ring * p.buffer_cost;
-    let k = (p.budget_bytes / per_conn.max(1)).min(qps);
+    // Every ring's receives complete on the one CQ, beside the sends.
+    let cq_rings = hca.max_cqe.saturating_sub(CQ_SEND_RESERVE) / ring.max(1);
+    let k = (p.budget_bytes / per_conn.max(1)).min(qps).min(cq_rings);
     if k == 0 || ring == 0 {
+        let short = if p.budget_bytes < per_conn {
+            "the budget"
+        } else {
+            "the completion queue"
+        };
         p.why = format!(
-            "no SRQ, and one connection's ring ({} MiB) does not fit the budget: UD only",
+            "no SRQ, and one connection's ring ({} MiB) does not fit {short}: UD only",
             per_conn >> 20
         );
         return;
@@ -274,6 +324,38 @@ mod tests {
         assert!(p.memory_bytes <= 384 * MIB);
     }
 
+    /// `--srq off` plans rings on an HCA that has an SRQ, as if it had none.
+    #[test]
+    fn srq_off_plans_rings_as_without_an_srq() {
+        let off = plan_with(&rxe(), 24 * GIB, None, SrqChoice::Off);
+        assert_eq!(off, plan(&no_srq(), 24 * GIB, None));
+        assert_eq!(off.kind, PlanKind::PerConnection);
+        assert_eq!(
+            plan_with(&rxe(), 24 * GIB, None, SrqChoice::Auto).kind,
+            PlanKind::Srq
+        );
+        assert_eq!(rxe().without_srq(), no_srq());
+    }
+
+    /// Every ring's receives share the CQ with the sends: K stops where the CQ is full, even
+    /// when the budget holds more (rxe's 32767 CQEs: 503 rings of 64, not 2 GiB's 512).
+    #[test]
+    fn rings_are_capped_by_the_completion_queue() {
+        let p = plan(&no_srq(), 1024 * GIB, None);
+        assert_eq!(p.budget_bytes, 2 * GIB);
+        assert_eq!(p.max_cm_peers, (32767 - CQ_SEND_RESERVE) / 64);
+        let small = HcaLimits {
+            max_cqe: 64 + CQ_SEND_RESERVE,
+            ..no_srq()
+        };
+        assert_eq!(plan(&small, 24 * GIB, None).max_cm_peers, 1);
+        let none = HcaLimits {
+            max_cqe: 63 + CQ_SEND_RESERVE,
+            ..no_srq()
+        };
+        assert_eq!(plan(&none, 24 * GIB, None).kind, PlanKind::UdOnly);
+    }
+
     #[test]
     fn tiny_budgets_fall_back_to_ud() {
         let p = plan(&rxe(), 24 * GIB, Some(2 * MIB));
@@ -316,6 +398,13 @@ mod tests {
                 }
                 if p.kind == PlanKind::PerConnection {
                     assert!(p.max_cm_peers <= qp);
+                }
+                if p.kind != PlanKind::UdOnly {
+                    let receives = match p.kind {
+                        PlanKind::Srq => p.ring,
+                        _ => p.ring * p.max_cm_peers,
+                    };
+                    assert!(receives + CQ_SEND_RESERVE <= cqe, "{hca:?}: {p:?}");
                 }
             }
         }

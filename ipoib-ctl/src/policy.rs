@@ -12,7 +12,9 @@ pub const CM_THRESHOLD_MIN: u32 = 64;
 pub const CM_THRESHOLD_MAX: u32 = IPOIB_CM_MTU;
 pub const HEARTBEAT_MIN: Duration = Duration::from_millis(100);
 pub const HEARTBEAT_MAX: Duration = Duration::from_secs(3600);
-pub const MEMORY_BUDGET_MIN: u64 = 16 << 20;
+/// The least budget that carries connected mode: one receive ring of 64 buffers of 64 KiB, or
+/// the smallest SRQ (the same 4 MiB).
+pub const MEMORY_BUDGET_MIN: u64 = 4 << 20;
 pub const MEMORY_BUDGET_MAX: u64 = 1 << 40;
 /// More than any HCA's QPs (mlx5: 2^18 less reserved).
 pub const MAX_CONNECTIONS_MAX: u32 = 1 << 20;
@@ -289,7 +291,7 @@ impl PolicyChange {
             "memory-budget" => {
                 let b = parse_size(value)
                     .filter(|b| (MEMORY_BUDGET_MIN..=MEMORY_BUDGET_MAX).contains(b))
-                    .ok_or_else(|| invalid("memory-budget", value, "a size from 16MiB to 1TiB"))?;
+                    .ok_or_else(|| invalid("memory-budget", value, "a size from 4MiB to 1TiB"))?;
                 set_once(&mut self.memory_budget, key, b, value, seen)
             }
             "max-connections" => {
@@ -393,6 +395,8 @@ mod tests {
         assert_eq!(c.ctl_port, Some(5000));
         assert_eq!(c.memory_budget, Some(512 << 20));
         assert_eq!(c.max_connections, Some(16));
+        let least = parse(&["memory-budget=4MiB"]).unwrap().memory_budget;
+        assert_eq!(least, Some(MEMORY_BUDGET_MIN));
         assert_eq!(c.peers[&"10.0.0.7".parse::<IpAddr>().unwrap()], Pin::Ud);
         assert_eq!(c.peers[&"fd00::2".parse::<IpAddr>().unwrap()], Pin::Cm);
         assert_eq!(c.peers[&"fd00::3".parse::<IpAddr>().unwrap()], Pin::Block);
@@ -416,6 +420,7 @@ mod tests {
             "ctl-port=65536",
             "ctl-port=http",
             "memory-budget=1MiB",
+            "memory-budget=4194303",
             "memory-budget=2TiB",
             "memory-budget=lots",
             "max-connections=0",

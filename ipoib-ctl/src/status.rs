@@ -330,17 +330,25 @@ fn render_reasons(out: &mut String, s: &Status) {
 }
 
 fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
+    let r = &cm.receive;
+    let receive = match r.model.as_str() {
+        "rings" => format!(
+            "rings of {} buffers: {} of K={} in use",
+            r.depth, r.rings, r.max_rings
+        ),
+        _ => format!("SRQ {} buffers", cm.srq_depth),
+    };
     let _ = writeln!(
         out,
-        "  connected mode: {} via {}, SRQ {} buffers, {} of at most {} connections, \
+        "  connected mode: {} via {}, {receive}, {} of at most {} connections, \
          {} established / {} failed setups",
-        cm.device,
-        cm.tun,
-        cm.srq_depth,
-        cm.connections,
-        cm.max_connections,
-        cm.established,
-        cm.failed
+        cm.device, cm.tun, cm.connections, cm.max_connections, cm.established, cm.failed
+    );
+    let _ = writeln!(
+        out,
+        "    receive memory: {} registered of a {} budget",
+        human_bytes(r.registered_bytes),
+        human_bytes(r.budget_bytes)
     );
     let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
     let _ = writeln!(

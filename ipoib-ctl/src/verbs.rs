@@ -11,7 +11,9 @@ use serde::Serialize;
 
 use crate::plan::HcaLimits;
 
+mod receive;
 mod resources;
+pub use receive::*;
 pub use resources::*;
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +24,8 @@ pub enum VerbsError {
         "no RDMA devices found (is an RDMA driver loaded? e.g. `modprobe rdma_rxe` and `rdma link add`)"
     )]
     NoDevices,
+    #[error("all {max} receive rings are in use (the memory plan's cap)")]
+    RingsExhausted { max: u32 },
     #[error("{device}: {what} failed: {source}")]
     Query {
         device: String,

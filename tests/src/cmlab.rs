@@ -19,15 +19,19 @@ use crate::lab::{ctl_path, sibling_exe};
 use ipoib_ctl::{
     cm::HwAddr,
     plan::{CM_BUF_SIZE, CM_BUF_STRIDE},
-    verbs::{CompletionQueue, Device, MemoryRegion, RcQueuePair, Resources},
+    verbs::{
+        Completion, CompletionQueue, Device, MemoryRegion, RcQueuePair, ReceiveModel, Resources,
+        SharedReceiveQueue,
+    },
 };
 
 /// Bytes between receive buffers: one CM message in whole pages.
 pub const STRIDE: u64 = CM_BUF_STRIDE;
 
 /// A test node's verbs side (the RC tests' stand-in for a control loop; a lab node, its namespace,
-/// is [`crate::lab::Node`]): one SRQ of `depth` CM-sized receives, one CQ for sends and receives
-/// (with a completion channel), and a region of `send_slots` send buffers.
+/// is [`crate::lab::Node`]): one SRQ of `depth` CM-sized receives (or a ring per connection),
+/// one CQ for sends and receives (with a completion channel), and a region of `send_slots`
+/// send buffers.
 pub struct Verbs {
     pub dev: Device,
     pub res: Arc<Resources>,
@@ -37,15 +41,30 @@ pub struct Verbs {
 
 impl Verbs {
     pub fn open(dev: &str, depth: u32, send_slots: u32) -> Result<Self> {
+        Self::open_with(dev, ReceiveModel::Srq { depth }, send_slots)
+    }
+
+    /// With receives as `model` says (an SRQ, or a ring per connection).
+    pub fn open_with(dev: &str, model: ReceiveModel, send_slots: u32) -> Result<Self> {
         let dev = Device::open(dev)?;
         let buffer = CM_BUF_SIZE as u32;
-        let res = Resources::create(&dev, 1, depth, buffer, send_slots, STRIDE)?;
+        let res = Resources::create(&dev, 1, model, buffer, send_slots, STRIDE)?;
         Ok(Self {
             cq: res.recv_cq.clone(),
             send: res.send.clone(),
             res,
             dev,
         })
+    }
+}
+
+impl Verbs {
+    /// The SRQ (a node opened with one).
+    pub fn srq(&self) -> &Arc<SharedReceiveQueue> {
+        self.res
+            .recv
+            .srq()
+            .expect("this node receives on rings, not an SRQ")
     }
 }
 
@@ -112,25 +131,9 @@ impl Pump {
                 n = self.node.cq.poll(&mut wcs, 64)?;
             }
         }
-        let srq = &self.node.res.srq;
-        let mut repost = Vec::new();
         for wc in &wcs {
             if wc.recv {
-                srq.completed(1);
-                let slot = wc.wr_id as u32;
-                if wc.error.is_none() {
-                    self.received += 1;
-                    self.received_bytes += u64::from(wc.bytes);
-                }
-                if wc.error.is_none() && self.keep {
-                    // SAFETY: the receive completed; the slot is ours until posted again.
-                    let data = unsafe { srq.region.slot(slot)[..wc.bytes as usize].to_vec() };
-                    sink.push(Received {
-                        qp_num: wc.qp_num,
-                        data,
-                    });
-                }
-                repost.push(slot);
+                self.on_receive(wc, sink)?;
             } else {
                 self.free.push(wc.wr_id as u32);
                 match wc.error {
@@ -139,10 +142,31 @@ impl Pump {
                 }
             }
         }
-        if !repost.is_empty() {
-            srq.post_slots(&repost)?;
-        }
         Ok(n)
+    }
+
+    /// A receive: copied out (unless `keep` is off) and its buffer posted again, on the SRQ or
+    /// its connection's ring (a ring's receive flushed in error is not: its QP is going).
+    fn on_receive(&mut self, wc: &Completion, sink: &mut Vec<Received>) -> Result<()> {
+        let Some(buf) = self.node.res.recv.filled(wc) else {
+            return Ok(());
+        };
+        if wc.error.is_some() {
+            if buf.qp().is_none() {
+                buf.repost()?;
+            }
+            return Ok(());
+        }
+        self.received += 1;
+        self.received_bytes += u64::from(wc.bytes);
+        if self.keep {
+            sink.push(Received {
+                qp_num: wc.qp_num,
+                data: buf.bytes().to_vec(),
+            });
+        }
+        buf.repost()?;
+        Ok(())
     }
 
     /// Receives until `want` messages are in `sink` or `timeout` passes.
@@ -177,6 +201,22 @@ pub fn pattern(conn: u32, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// The kernel's view of `dev`'s memory regions (`rdma resource show mr -j`): how many, and
+/// their bytes in all.
+pub fn registered_mrs(dev: &str) -> (u64, u64) {
+    let out = sh(&["rdma", "resource", "show", "mr", "-j"]);
+    let mrs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "rdma resource show mr -j: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
+    let ours = mrs.iter().filter(|m| m["ifname"].as_str() == Some(dev));
+    ours.fold((0, 0), |(n, b), m| {
+        (n + 1, b + m["mrlen"].as_u64().unwrap_or(0))
+    })
 }
 
 /// `rdma resource show` counts for `dev` (pd, cq, qp, mr, srq, ...).

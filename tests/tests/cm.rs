@@ -20,10 +20,11 @@ use ipoib_ctl::{
         Cm, Connection, RejectReason, SetupConfig, SetupError,
         wire::{Hello, MSG_LEN, Msg},
     },
-    verbs::{AsyncEvent, RcEndpoint},
+    verbs::{AsyncEvent, RcEndpoint, RcTiming, ReceiveModel, rnr_timer_us},
 };
 use ipoib_tests::cmlab::{
-    COUNTED, Netns, Peer, Pump, Received, Verbs, device, pattern, rdma_resources, settle,
+    COUNTED, Netns, Peer, Pump, Received, Verbs, device, pattern, rdma_resources, registered_mrs,
+    settle,
 };
 
 fn rt() -> tokio::runtime::Runtime {
@@ -124,9 +125,9 @@ fn many_connections_share_one_srq_and_move_checked_messages() {
     eprintln!(
         "{CONNS} connections, {checked} echoes of {} sizes checked; SRQ posted {}",
         SIZES.len(),
-        node.res.srq.posted()
+        node.srq().posted()
     );
-    assert_eq!(node.res.srq.posted(), 1024, "every receive posted again");
+    assert_eq!(node.srq().posted(), 1024, "every receive posted again");
 
     // Closed here: the peer notices and frees its QP.
     let first = conns.remove(0);
@@ -505,7 +506,7 @@ fn srq_limit_event_fires_before_starvation() {
         return;
     };
     let (a, cma, b, cmb) = two_nodes(&dev, SetupConfig::default(), SetupConfig::default());
-    let srq = b.res.srq.clone();
+    let srq = b.srq().clone();
     assert_eq!(srq.query().unwrap().srq_limit, 16);
     let rt = rt();
     let (conn, _peer_conn) = rt.block_on(async {
@@ -543,4 +544,270 @@ fn srq_limit_event_fires_before_starvation() {
     }
     srq.arm_limit(16).unwrap();
     assert_eq!(srq.posted(), 64);
+}
+
+/// Connections to `peer` from fresh endpoints (UD QPNs `first..`) on `node`: each result.
+fn connect_all(
+    rt: &tokio::runtime::Runtime,
+    node: &Verbs,
+    first: u32,
+    n: u32,
+    peer: &Peer,
+) -> Vec<Result<Connection, SetupError>> {
+    let (addr, hw) = (peer.addr, peer.hw);
+    rt.block_on(async {
+        let mut v = Vec::new();
+        for i in 0..n {
+            let cm = Cm::new(node.res.clone(), first + i, SetupConfig::default());
+            v.push(cm.connect_once(addr, hw).await);
+        }
+        v
+    })
+}
+
+/// Every size echoed on every connection, contents checked.
+fn echo_checked(node: &Arc<Verbs>, conns: &[&Connection]) -> usize {
+    let by_qpn: std::collections::HashMap<u32, u32> = conns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.qp.qpn(), i as u32))
+        .collect();
+    let mut pump = Pump::new(node.clone());
+    let mut checked = 0;
+    for &size in SIZES {
+        let mut got: Vec<Received> = Vec::new();
+        for (i, c) in conns.iter().enumerate() {
+            pump.send(&c.qp, &pattern(i as u32, size), &mut got)
+                .unwrap();
+        }
+        pump.collect(&mut got, conns.len(), Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("size {size}: {e}"));
+        for m in &got {
+            let i = by_qpn[&m.qp_num];
+            assert!(
+                m.data == pattern(i, size),
+                "connection {i}, {size} B differ"
+            );
+            checked += 1;
+        }
+    }
+    assert!(pump.send_errors.is_empty(), "{:?}", pump.send_errors);
+    checked
+}
+
+/// Without an SRQ: a peer with a receive ring per connection and K=3 takes three connections
+/// and refuses the fourth REQ with REJ no-resources before it allocates anything (the kernel's
+/// view: no fourth ring registered); a node with an SRQ and the ring node move every size
+/// both ways, contents checked; a closed connection's ring is freed; a node with rings and
+/// K=1 refuses its own second setup without asking the peer; rings talk to rings; and at the
+/// end the device holds what it held before.
+#[test]
+fn rings_per_connection_hold_k_interoperate_and_are_freed() {
+    let Some(dev) = device("rings_per_connection_hold_k_interoperate_and_are_freed") else {
+        return;
+    };
+    let ns = Netns::new("cmt9", 9);
+    let baseline = rdma_resources(&dev);
+    let (mrs0, bytes0) = registered_mrs(&dev);
+    let extra = ["--rings", "3", "--depth", "64"];
+    let mut peer = Peer::start(&ns, &dev, "10.77.9.2:4755".parse().unwrap(), 0x48, &extra);
+    let (mrs1, bytes1) = registered_mrs(&dev);
+    assert_eq!(
+        mrs1,
+        mrs0 + 1,
+        "a ring node registers only its send slots at start"
+    );
+    let ring = 64 * ipoib_tests::cmlab::STRIDE;
+    let srq_node = Arc::new(Verbs::open(&dev, 256, 64).unwrap());
+    let rt = rt();
+    let (mrs2, bytes2) = registered_mrs(&dev);
+    let mut r = connect_all(&rt, &srq_node, 0x100, 4, &peer);
+    let refused = r.pop().unwrap();
+    assert!(
+        matches!(
+            refused,
+            Err(SetupError::Rejected(RejectReason::NoResources))
+        ),
+        "the 4th REQ: {:?}",
+        refused.err()
+    );
+    let mut conns: Vec<Connection> = r.into_iter().map(|c| c.expect("within K")).collect();
+    for _ in 0..3 {
+        peer.expect("established", Duration::from_secs(10));
+    }
+    let (mrs3, bytes3) = registered_mrs(&dev);
+    assert_eq!(
+        (mrs3 - mrs2, bytes3 - bytes2),
+        (3, 3 * ring),
+        "three rings registered at the peer, no fourth"
+    );
+    let now = rdma_resources(&dev);
+    assert_eq!(
+        now["qp"],
+        baseline.get("qp").copied().unwrap_or(0) + 6,
+        "{now:?}"
+    );
+    let checked = echo_checked(&srq_node, &conns.iter().collect::<Vec<_>>());
+    eprintln!(
+        "SRQ node <-> ring node: {checked} echoes checked; peer: {} B of rings beside {} B \
+         of send slots",
+        bytes3 - bytes2,
+        bytes1 - bytes0
+    );
+
+    // One closed: the peer's ring goes with its QP.
+    conns.remove(0).close();
+    peer.expect("closed", Duration::from_secs(5));
+    let freed = |want: u64| {
+        let end = Instant::now() + Duration::from_secs(5);
+        while registered_mrs(&dev).1 != want && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        registered_mrs(&dev).1
+    };
+    assert_eq!(
+        freed(bytes3 - ring),
+        bytes3 - ring,
+        "the closed ring was not freed"
+    );
+
+    // A ring node with K=1, to the ring peer (which has one ring free again): one
+    // connection, and its second setup fails here, Full, without a REQ.
+    let model = ReceiveModel::Rings { depth: 64, max: 1 };
+    let ring_node = Arc::new(Verbs::open_with(&dev, model, 64).unwrap());
+    let mut r = connect_all(&rt, &ring_node, 0x200, 2, &peer);
+    let second = r.pop().unwrap();
+    assert!(
+        matches!(second, Err(SetupError::Full)),
+        "{:?}",
+        second.err()
+    );
+    let rc = r.pop().unwrap().expect("rings to rings");
+    peer.expect("established", Duration::from_secs(10));
+    let pool = ring_node.res.recv.rings().unwrap();
+    assert_eq!((pool.in_use(), pool.registered_bytes()), (1, ring));
+    assert_eq!(pool.refused.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let checked = echo_checked(&ring_node, &[&rc]);
+    eprintln!("ring node <-> ring node: {checked} echoes checked");
+    assert_eq!(
+        rc.qp
+            .ring()
+            .unwrap()
+            .posted
+            .load(std::sync::atomic::Ordering::Relaxed),
+        64
+    );
+    rc.close();
+    let end = Instant::now() + Duration::from_secs(5);
+    while pool.in_use() > 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        (pool.in_use(), pool.registered_bytes()),
+        (0, 0),
+        "the ring outlived its QP"
+    );
+
+    drop(conns);
+    peer.kill9();
+    drop((srq_node, ring_node));
+    drop(rt);
+    settle(&dev, &baseline, COUNTED);
+    assert_eq!(registered_mrs(&dev), (mrs0, bytes0));
+}
+
+/// What a sender saw while its receiver's ring was dry for a while.
+#[derive(Debug)]
+struct DryRing {
+    delivered: u64,
+    send_errors: Vec<(u32, u32)>,
+    /// From the end of the pause until every send completed (or failed).
+    after_pause: Duration,
+}
+
+/// A sends `n` messages to B, whose ring of `depth` buffers nobody empties for `pause`; then B
+/// takes everything. A retries RNR `rnr_retry` times; B asks for RNR timer `rnr_timer`.
+fn dry_ring(dev: &str, rnr_retry: u8, rnr_timer: u8, pause: Duration) -> DryRing {
+    let (depth, n) = (8u32, 24usize);
+    let timing = |rnr_retry, min_rnr_timer| SetupConfig {
+        timing: RcTiming {
+            rnr_retry,
+            min_rnr_timer,
+            ..RcTiming::default()
+        },
+        ..SetupConfig::default()
+    };
+    let a = Arc::new(Verbs::open(dev, 64, 64).unwrap());
+    let model = ReceiveModel::Rings { depth, max: 1 };
+    let b = Arc::new(Verbs::open_with(dev, model, 64).unwrap());
+    let cma = Arc::new(Cm::new(a.res.clone(), 0x10, timing(rnr_retry, 12)));
+    let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, timing(7, rnr_timer)));
+    let rt = rt();
+    let (conn, _accepted) = rt.block_on(async {
+        let (addr_b, mut in_b) = listen(&cmb).await;
+        let c = cma.connect_once(addr_b, cmb.hwaddr()).await.unwrap();
+        (c, in_b.recv().await.unwrap().1.unwrap())
+    });
+    let (mut pa, mut pb) = (Pump::new(a.clone()), Pump::new(b.clone()));
+    pb.keep = false;
+    let mut sink = Vec::new();
+    for i in 0..n {
+        pa.send(&conn.qp, &pattern(i as u32, 4096), &mut sink)
+            .unwrap();
+    }
+    std::thread::sleep(pause);
+    let t = Instant::now();
+    while (pa.sent as usize + pa.send_errors.len()) < n && t.elapsed() < Duration::from_secs(20) {
+        pb.progress(&mut sink, Duration::ZERO).unwrap();
+        pa.progress(&mut sink, Duration::from_millis(1)).unwrap();
+    }
+    let after_pause = t.elapsed();
+    pb.progress(&mut sink, Duration::from_millis(50)).unwrap();
+    DryRing {
+        delivered: pb.received,
+        send_errors: pa.send_errors.clone(),
+        after_pause,
+    }
+}
+
+/// The RNR choice, measured: a receiver whose ring of 8 runs dry under 24 messages and is
+/// not emptied for a while. With a finite RNR retry count (6) the sender's QP fails within
+/// milliseconds of the ring running dry (completion status 13, RNR retry exceeded): a busy
+/// receiver would kill its connections. With the chosen timing (retry without end, RNR timer
+/// 0.64 ms) the sender waits out a half-second pause and every message arrives.
+#[test]
+fn a_dry_ring_slows_its_sender_and_the_connection_lives() {
+    let Some(dev) = device("a_dry_ring_slows_its_sender_and_the_connection_lives") else {
+        return;
+    };
+    let baseline = rdma_resources(&dev);
+    let chosen = RcTiming::default();
+    let mut rows = Vec::new();
+    for (retry, timer, pause_ms) in [
+        (6, 12, 50),
+        (6, 31, 500),
+        (chosen.rnr_retry, chosen.min_rnr_timer, 50),
+        (chosen.rnr_retry, chosen.min_rnr_timer, 500),
+    ] {
+        let r = dry_ring(&dev, retry, timer, Duration::from_millis(pause_ms));
+        eprintln!(
+            "rnr_retry {retry}, RNR timer {timer} ({} us), receiver paused {pause_ms} ms: \
+             {} of 24 delivered, send errors {:?}, done {:.1?} after the pause",
+            rnr_timer_us(timer),
+            r.delivered,
+            r.send_errors.first(),
+            r.after_pause
+        );
+        rows.push((retry, timer, pause_ms, r));
+    }
+    let finite = &rows[0].3;
+    assert!(
+        finite.send_errors.iter().any(|(_, s)| *s == 13),
+        "a finite RNR retry count survived a 50 ms pause: {finite:?}"
+    );
+    for (_, _, pause, r) in &rows[2..] {
+        assert!(r.send_errors.is_empty(), "{pause} ms: {r:?}");
+        assert_eq!(r.delivered, 24, "{pause} ms: {r:?}");
+    }
+    settle(&dev, &baseline, COUNTED);
 }

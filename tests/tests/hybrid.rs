@@ -115,6 +115,8 @@ impl Stream {
             move || {
                 in_netns(&ns, move || {
                     let mut s = TcpStream::connect(addr).expect("connect to B");
+                    // A stream that stops moving fails the test rather than hanging it.
+                    s.set_write_timeout(Some(Duration::from_secs(60))).unwrap();
                     let p = period();
                     let mut off = 0u64;
                     while !stop.load(Ordering::Relaxed) {
@@ -264,6 +266,93 @@ fn rdma_lab(test: &str, tag: &str, nodes: usize) -> Option<(String, HashMap<Stri
     Some((dev, baseline, lab.unwrap()))
 }
 
+/// The receive model a scenario runs on. The streams and the faults run on both: the SRQ
+/// that soft-RoCE offers (what `--srq auto` picks there), and a ring per connection
+/// (`--srq off`: the model of an HCA without an SRQ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recv {
+    Srq,
+    Rings,
+}
+
+impl Recv {
+    /// As the CM status names it.
+    fn name(self) -> &'static str {
+        match self {
+            Recv::Srq => "srq",
+            Recv::Rings => "rings",
+        }
+    }
+
+    /// The lab's name for a scenario on this model (each its own namespaces).
+    fn tag(self, base: &str) -> String {
+        match self {
+            Recv::Srq => base.to_string(),
+            Recv::Rings => format!("{base}r"),
+        }
+    }
+}
+
+/// Each scenario as two tests, `NAME::srq` and `NAME::rings`.
+macro_rules! on_both_receive_models {
+    ($($scenario:ident),+ $(,)?) => {$(
+        mod $scenario {
+            #[test]
+            fn srq() {
+                super::$scenario(super::Recv::Srq)
+            }
+            #[test]
+            fn rings() {
+                super::$scenario(super::Recv::Rings)
+            }
+        }
+    )+};
+}
+
+on_both_receive_models!(
+    bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud,
+    a_killed_peer_falls_back_to_ud_and_returns_to_cm,
+    a_failed_rc_path_falls_back_to_ud_and_returns_to_cm,
+    a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens,
+    a_plan_of_k_connections_holds_among_3k_peers_that_want_cm,
+    a_stalled_receiver_falls_back_to_ud_and_returns_to_cm,
+    an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains,
+    a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact,
+);
+
+/// `ipoib-ctl attach --cm-device DEV` on lab node `which`, on receive model `recv`, with
+/// `extra` arguments; checks that connected mode runs on that model. Its pid.
+fn attach(lab: &mut Lab, which: Which, recv: Recv, dev: &str, extra: &[&str]) -> u32 {
+    let n = lab.node(which).clone();
+    attach_node(lab, &n, recv, dev, extra)
+}
+
+/// [`attach`] on any node of the lab.
+fn attach_node(lab: &mut Lab, n: &Node, recv: Recv, dev: &str, extra: &[&str]) -> u32 {
+    let mut args = vec!["--cm-device", dev];
+    if recv == Recv::Rings {
+        args.extend(["--srq", "off"]);
+    }
+    args.extend_from_slice(extra);
+    let pid = lab
+        .attach_node(n, &args)
+        .unwrap_or_else(|e| panic!("{}: attach {args:?}: {e:#}", n.ns));
+    let cm = cm_of(n);
+    assert_eq!(cm.receive.model, recv.name(), "{}: {cm:#?}", n.ns);
+    pid
+}
+
+/// `rdma resource show mr -j` for the process `pid`: its memory regions' (count, bytes).
+fn mrs_of(pid: u32) -> (u64, u64) {
+    let out = ipoib_tests::programs::sh(&["rdma", "resource", "show", "mr", "-j"]);
+    let mrs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("rdma -j");
+    mrs.iter()
+        .filter(|m| m["pid"].as_u64() == Some(u64::from(pid)))
+        .fold((0, 0), |(n, b), m| {
+            (n + 1, b + m["mrlen"].as_u64().unwrap_or(0))
+        })
+}
+
 /// A policy file for `attach --policy`, removed when dropped.
 struct PolicyFile(std::path::PathBuf);
 
@@ -285,10 +374,13 @@ impl Drop for PolicyFile {
     }
 }
 
-#[test]
-fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
+/// A bulk TCP stream from A to B, checked byte for byte, starts on UD and is promoted to CM;
+/// pings and small UDP beside it stay UD, none lost; B streams back to A over the same
+/// connection, checked too; idle, the connection is reaped and both sides' QPs and receive
+/// rings are freed (the kernel's counts); detached, A's TUN device goes.
+fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     let test = "bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyb", 2) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyb"), 2) else {
         return;
     };
     // Loose reverse-path filtering, as systemd sets it on most distributions (the lab sets 0,
@@ -301,24 +393,21 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
             .unwrap();
         assert!(out.status.success());
     }
-    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    let pid_a = attach(&mut lab, Which::A, recv, &dev, &[]);
     // B reaps connections idle for 2 s: the one A sends the stream over must not look idle to
     // B, which only receives over it (its ACKs are small: UD).
-    lab.attach(
+    let pid_b = attach(
+        &mut lab,
         Which::B,
-        &[
-            "--cm-device",
-            &dev,
-            "--cm-idle-after",
-            "2",
-            "--cm-min-hold",
-            "1",
-        ],
-    )
-    .unwrap();
+        recv,
+        &dev,
+        &["--cm-idle-after", "2", "--cm-min-hold", "1"],
+    );
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let tun_a = cm_of(&a).tun;
+    // The kernel's view of each node's memory regions with no connection.
+    let (mrs_a, mrs_b) = (mrs_of(pid_a), mrs_of(pid_b));
 
     let stream = Stream::start(&a, &b, 5301);
     // Promotion: B becomes cm_up at A within a few ticks of the flow starting.
@@ -368,10 +457,36 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
         small(&after) - small(&before)
     );
     assert_eq!(a.peer(&b_ip).unwrap().unwrap().mode, "cm_up");
+    eprintln!("small traffic beside the stream: UD, none lost");
+    // The other direction too: B streams to A over the connection it accepted (its map says
+    // CM for A once its engine routes A's address to it), checked byte for byte at A.
+    let a_ip = a.ip4.to_string();
+    let back_from = b.peer(&a_ip).unwrap().expect("B knows A");
+    let back = Stream::start(&b, &a, 5302);
+    eprintln!("B streams to A (B's view of A: {back_from:?})");
     std::thread::sleep(Duration::from_secs(3));
     let during = cm_of(&a);
     let b_during = cm_of(&b);
+    let back_to = b.peer(&a_ip).unwrap().expect("B knows A");
+    eprintln!(
+        "after 3 s: {} B checked at A; B's view of A: {back_to:?}; B's engine: {:?}; A's \
+         engine: {:?}",
+        back.received(),
+        b_during.engine,
+        during.engine
+    );
+    let sent_back = back.finish();
     let sent = stream.finish();
+    let cm_back = back_to.traffic.tx_cm_bytes - back_from.traffic.tx_cm_bytes;
+    eprintln!(
+        "B -> A: {} MiB intact, {} MiB of it over CM",
+        sent_back >> 20,
+        cm_back >> 20
+    );
+    assert!(
+        cm_back > 1 << 20,
+        "B's stream to A hardly went CM: {back_to:?}"
+    );
 
     let end = a.peer(&b_ip).unwrap().unwrap();
     let (t0, t1) = (&at_promotion.traffic, &end.traffic);
@@ -436,8 +551,28 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
     // it (it reaps after 2 s idle, and counts what it receives).
     assert_eq!(b_during.connections, 1, "{b_during:#?}");
 
-    // Detach A: its control loop stops connected mode, B sees the connection close, A's TUN
-    // device goes. Then everything: QPs back to where they were.
+    // Idle now: B reaps the connection (after 2 s), A sees it close; each side's QP goes, and
+    // with it (without an SRQ) its receive ring: the kernel's counts are back where they were.
+    let reaped = wait_until(Duration::from_secs(15), || {
+        cm_of(&a).connections == 0 && cm_of(&b).connections == 0
+    });
+    assert!(reaped, "not reaped: A {:#?}\nB {:#?}", cm_of(&a), cm_of(&b));
+    let qps_now = || rdma_resources(&dev).get("qp").copied();
+    wait_until(Duration::from_secs(5), || {
+        qps_now() == baseline.get("qp").copied() && mrs_of(pid_a) == mrs_a && mrs_of(pid_b) == mrs_b
+    });
+    assert_eq!(
+        qps_now(),
+        baseline.get("qp").copied(),
+        "a reaped connection's QP lingers"
+    );
+    assert_eq!(
+        (mrs_of(pid_a), mrs_of(pid_b)),
+        (mrs_a, mrs_b),
+        "a reaped ring lingers"
+    );
+    // Detach A: its control loop stops connected mode and A's TUN device goes; B says A is
+    // UD. Then everything: QPs back to where they were.
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert!(out.status.success());
     let tun_gone = || {
@@ -460,14 +595,13 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud() {
 /// The peer's control loop killed under the flow: A notices (the handshake stream ends), marks
 /// it UD and the stream goes on over UD, intact; A retries with backoff (refused while B is
 /// down); B restarted, the flow returns to CM.
-#[test]
-fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
+fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let test = "a_killed_peer_falls_back_to_ud_and_returns_to_cm";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyk", 2) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyk"), 2) else {
         return;
     };
-    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
-    let pid_b = lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    attach(&mut lab, Which::A, recv, &dev, &[]);
+    let pid_b = attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5302);
@@ -485,7 +619,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
 
     // B back: its entry for A, left CM_UP by the killed loop (pointing at a TUN device that
     // died with it), is UD again until a new connection is up.
-    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    attach(&mut lab, Which::B, recv, &dev, &[]);
     let a_ip = a.ip4.to_string();
     let b_view = b.peer(&a_ip).unwrap().expect("B knows A").mode;
     let a_view = a.peer(&b_ip).unwrap().unwrap().mode;
@@ -505,10 +639,9 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm() {
 /// device goes down, A's sends exhaust their retries and complete in error, the engine reports
 /// the QP error, A marks B UD and backs off; the stream goes on over UD, intact. The link back,
 /// a retry after the backoff connects again and the flow returns to CM.
-#[test]
-fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
+fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let test = "a_failed_rc_path_falls_back_to_ud_and_returns_to_cm";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyq", 2) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyq"), 2) else {
         return;
     };
     let netdev = rdma_netdev(&dev);
@@ -517,8 +650,8 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
         Some("rxev0"),
         "the test's rxe device runs on rxev0"
     );
-    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
-    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    attach(&mut lab, Which::A, recv, &dev, &[]);
+    attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5303);
@@ -555,10 +688,9 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm() {
 /// The handshake port blocked at the peer (its TCP SYNs dropped): A's setups time out, B stays
 /// on UD with A backing off, the stream goes on over UD, intact, and nothing is left half set
 /// up. Unblocked, a retry after the backoff connects and the flow goes CM.
-#[test]
-fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
+fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     let test = "a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyp", 2) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyp"), 2) else {
         return;
     };
     let (a, b) = (lab.a.clone(), lab.b.clone());
@@ -580,8 +712,8 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
     nft(
         "table inet hs {\n chain in {\n  type filter hook input priority 0; policy accept;\n  tcp dport 4755 drop\n }\n}\n",
     );
-    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
-    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    attach(&mut lab, Which::A, recv, &dev, &[]);
+    attach(&mut lab, Which::B, recv, &dev, &[]);
     let stream = Stream::start(&a, &b, 5304);
 
     // 15 s blocked: never CM, at least one setup given up (timeouts), the stream on UD.
@@ -623,35 +755,97 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens() {
     settle(&dev, &baseline, COUNTED);
 }
 
-/// Memory: A's plan holds K connections (policy max-connections=K, the smallest SRQ) and 3K
-/// peers want CM (mode=connected everywhere, each peer streaming to A). At no tick does A hold
-/// more than K live connections (it refuses the REQs past its plan with REJ no-resources,
-/// before allocating anything, and promotes no more than K itself), the device never holds
-/// more RC QPs than K connections and the refused setups under way account for, the plan is
-/// used, and the peers past it keep streaming over UD, intact.
-#[test]
-fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
+/// What A's memory regions look like to the kernel, against its plan, at one sample.
+struct MemoryWatch {
+    pid: u32,
+    /// Regions registered at start that are not receive buffers (the send slots): their
+    /// count and bytes.
+    other: (u64, u64),
+    budget: u64,
+    max_rings: u64,
+    recv: Recv,
+    /// The most receive bytes and rings seen.
+    peak: (u64, u64),
+    samples: u64,
+}
+
+impl MemoryWatch {
+    /// At start, with no connection: the kernel's regions of `pid`, less the receive memory A
+    /// says it registered (its SRQ; rings come later).
+    fn start(a: &Node, pid: u32, recv: Recv) -> Self {
+        let rx = cm_of(a).receive;
+        let (n, bytes) = mrs_of(pid);
+        let srq_regions = u64::from(recv == Recv::Srq);
+        Self {
+            pid,
+            other: (n - srq_regions, bytes - rx.registered_bytes),
+            budget: rx.budget_bytes,
+            max_rings: u64::from(rx.max_rings),
+            recv,
+            peak: (0, 0),
+            samples: 0,
+        }
+    }
+
+    /// The kernel's receive regions of A now: (rings, bytes); asserts the plan holds.
+    fn sample(&mut self) -> (u64, u64) {
+        let (n, bytes) = mrs_of(self.pid);
+        let (regions, bytes) = (n - self.other.0, bytes - self.other.1);
+        let rings = if self.recv == Recv::Rings { regions } else { 0 };
+        assert!(
+            bytes <= self.budget,
+            "{bytes} B of receive buffers registered, over the budget of {} B",
+            self.budget
+        );
+        assert!(
+            rings <= self.max_rings,
+            "{rings} rings registered, over the plan's {}",
+            self.max_rings
+        );
+        self.peak = (self.peak.0.max(bytes), self.peak.1.max(rings));
+        self.samples += 1;
+        (rings, bytes)
+    }
+}
+
+/// Memory: A's plan holds K connections (policy max-connections=K) and 3K peers want CM
+/// (mode=connected everywhere, each peer streaming to A). At no tick does A hold more than K
+/// live connections (it refuses the REQs past its plan with REJ no-resources, before
+/// allocating anything, and promotes no more than K itself), the device never holds more RC
+/// QPs than K connections and the refused setups under way account for, the plan is used, and
+/// the peers past it keep streaming over UD, intact. The receive memory A registers, summed
+/// from the kernel's own view every 100 ms, never exceeds its budget, nor its rings the
+/// plan's: an SRQ of 256 buffers in 16 MiB, or, without an SRQ, rings of 4 MiB in 14 MiB
+/// (three; a fourth would not fit). `max-connections` raised to 3 and lowered to 1 again on
+/// the running loop: A connects and evicts; an evicted connection's ring is freed.
+fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
     const K: u64 = 1;
     const PEERS: usize = 3 * K as usize;
     let test = "a_plan_of_k_connections_holds_among_3k_peers_that_want_cm";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hym", PEERS + 1) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hym"), PEERS + 1) else {
         return;
+    };
+    let budget = match recv {
+        Recv::Srq => "16MiB",
+        Recv::Rings => "14MiB",
     };
     let for_a = PolicyFile::new(
         "hym-a",
-        &format!("mode=connected\nmemory-budget=16MiB\nmax-connections={K}\n"),
+        &format!("mode=connected\nmemory-budget={budget}\nmax-connections={K}\n"),
     );
     let for_peers = PolicyFile::new("hym-p", "mode=connected\nmemory-budget=16MiB\n");
     let a = lab.a.clone();
     let peers: Vec<Node> = lab.nodes().skip(1).cloned().collect();
-    lab.attach(Which::A, &["--cm-device", &dev, "--policy", for_a.arg()])
-        .unwrap();
+    let pid_a = attach(&mut lab, Which::A, recv, &dev, &["--policy", for_a.arg()]);
+    let mut mem = MemoryWatch::start(&a, pid_a, recv);
     for p in &peers {
-        lab.attach_node(p, &["--cm-device", &dev, "--policy", for_peers.arg()])
-            .unwrap();
+        attach_node(&mut lab, p, recv, &dev, &["--policy", for_peers.arg()]);
     }
     let a_cm = cm_of(&a);
     assert_eq!(a_cm.max_connections as u64, K, "{a_cm:#?}");
+    if recv == Recv::Rings {
+        assert_eq!(a_cm.receive.max_rings, 3, "{:?}", a_cm.receive);
+    }
     let streams: Vec<Stream> = peers
         .iter()
         .enumerate()
@@ -662,7 +856,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
     // ends of each connection, and a refused peer's setup under way (an initiator makes its
     // QP before it sends the REQ; it is destroyed on the REJ).
     let qp_base = baseline.get("qp").copied().unwrap_or(0);
-    let (mut peak, mut qp_peak, mut samples) = (0u64, 0u64, 0);
+    let (mut peak, mut qp_peak) = (0u64, 0u64);
     let mut mid = Vec::new();
     let t = Instant::now();
     // Each control loop writes its connected-mode status once a tick; read the files (a
@@ -683,9 +877,9 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
             qps <= 2 * K + PEERS as u64,
             "{qps} QPs for a plan of {K} connection(s) and {PEERS} peers"
         );
+        mem.sample();
         peak = peak.max(at_a);
         qp_peak = qp_peak.max(qps);
-        samples += 1;
         if mid.is_empty() && t.elapsed() > Duration::from_secs(20) {
             mid = streams.iter().map(Stream::received).collect();
         }
@@ -693,9 +887,10 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
     }
     let cm = cm_of(&a);
     eprintln!(
-        "{samples} samples over 30 s: A held at most {peak} connection(s) (plan {K}), \
-         {qp_peak} QPs above the baseline at most; A refused {} setup(s); A's peers: {:#?}",
-        cm.failed, cm.peers
+        "{} samples over 30 s: A held at most {peak} connection(s) (plan {K}), {qp_peak} QPs \
+         above the baseline at most, {} B of receive buffers and {} ring(s) at most (kernel's \
+         view; budget {} B); A refused {} setup(s); A's receive side: {:?}; A's peers: {:#?}",
+        mem.samples, mem.peak.0, mem.peak.1, mem.budget, cm.failed, cm.receive, cm.peers
     );
     assert_eq!(peak, K, "the plan's connections were never used");
     assert!(cm.failed >= 1, "no REQ was refused: {cm:#?}");
@@ -722,13 +917,26 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
         on_ud >= PEERS - K as usize,
         "{on_ud} of {PEERS} peers on UD with a plan of {K}"
     );
+    cap_raised_and_lowered(&a, &mut mem);
+    for s in streams {
+        let sent = s.finish();
+        assert!(sent > 1 << 20, "{sent} bytes");
+    }
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
 
-    // The cap changed on the running loop: raised to 3, A connects every peer itself (they
-    // are in backoff, which takes a connection set up to them); lowered to 1 again, A closes
-    // the two least recently active.
+/// The cap changed on A's running loop: raised to 3, A connects every peer itself (they are in
+/// backoff, which takes a connection set up to them); lowered to 1 again, A closes the two
+/// least recently active, and their rings (without an SRQ) are freed. The memory plan is
+/// sampled throughout.
+fn cap_raised_and_lowered(a: &Node, mem: &mut MemoryWatch) {
     let held_now = || read_status(&a.iface).map_or(0, |s| s.connections);
-    let wait_held = |want: usize, within: Duration| {
-        wait_until(within, || held_now() == want);
+    let mut wait_held = |want: usize, within: Duration| {
+        wait_until(within, || {
+            mem.sample();
+            held_now() == want
+        });
         held_now()
     };
     let set = |n: u32| {
@@ -753,7 +961,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
         3,
         "{:#?}\nA's log:\n{}",
         a.cm().unwrap(),
-        ctl_log(&a)
+        ctl_log(a)
     );
     set(1);
     let t = Instant::now();
@@ -767,14 +975,25 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm() {
         1,
         "{:#?}\nA's log:\n{}",
         a.cm().unwrap(),
-        ctl_log(&a)
+        ctl_log(a)
     );
-    for s in streams {
-        let sent = s.finish();
-        assert!(sent > 1 << 20, "{sent} bytes");
+    if mem.recv == Recv::Rings {
+        // Evicted: their rings go with their QPs (the kernel's count of A's regions).
+        wait_until(Duration::from_secs(5), || mem.sample().0 == 1);
+        let (rings, bytes) = mem.sample();
+        let ours = cm_of(a).receive;
+        eprintln!(
+            "after eviction: {rings} ring(s), {bytes} B registered (A says {} and {} B); peak \
+             {} ring(s), {} B",
+            ours.rings, ours.registered_bytes, mem.peak.1, mem.peak.0
+        );
+        assert_eq!(rings, 1, "the evicted connections' rings were not freed");
+        assert_eq!(
+            bytes, ours.registered_bytes,
+            "A's count differs from the kernel's"
+        );
+        assert_eq!(mem.peak.1, 3, "the raised cap never used three rings");
     }
-    lab.teardown();
-    settle(&dev, &baseline, COUNTED);
 }
 
 /// Resumes a stopped process however the test ends.
@@ -786,28 +1005,30 @@ impl Drop for Cont {
     }
 }
 
-/// A stalled receiver: B has the smallest plan (memory-budget=16MiB: an SRQ of 256 buffers)
-/// and its control loop is stopped (SIGSTOP), so its engine takes nothing off the SRQ and
-/// posts nothing again, while its HCA keeps acknowledging what lands in the buffers still
+/// A stalled receiver: B has a small plan (memory-budget=16MiB: an SRQ of 256 buffers, or
+/// rings of 64) and its control loop is stopped (SIGSTOP), so its engine takes nothing off
+/// the SRQ or its ring and posts nothing again, while its HCA keeps acknowledging what lands in the buffers still
 /// posted: A's sends complete without error into a blackhole (seen here before the keepalive:
 /// 20 s on CM, no send error, the stream stalled). A takes B's silence on the connection's
 /// stream as the peer gone, falls back to UD within the heartbeat deadline, and the stream
 /// goes on over UD, intact, while B is stopped. B resumed, A connects again after its backoff
 /// and the flow returns to CM.
-#[test]
-fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm() {
+fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let test = "a_stalled_receiver_falls_back_to_ud_and_returns_to_cm";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hys", 2) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hys"), 2) else {
         return;
     };
     let tiny = PolicyFile::new("hys-b", "memory-budget=16MiB\n");
-    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
-    let pid_b = lab
-        .attach(Which::B, &["--cm-device", &dev, "--policy", tiny.arg()])
-        .unwrap();
+    attach(&mut lab, Which::A, recv, &dev, &[]);
+    let pid_b = attach(&mut lab, Which::B, recv, &dev, &["--policy", tiny.arg()]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
-    assert_eq!(cm_of(&b).srq_depth, 256);
+    let rx = cm_of(&b).receive;
+    match recv {
+        Recv::Srq => assert_eq!(rx.depth, 256, "{rx:?}"),
+        // 16 MiB holds four rings of 64 buffers of 64 KiB.
+        Recv::Rings => assert_eq!((rx.depth, rx.max_rings), (64, 4), "{rx:?}"),
+    }
     let stream = Stream::start(&a, &b, 5305);
     a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
         .expect("promoted");
@@ -922,10 +1143,9 @@ fn an_ipv6_peer_is_promoted_too() {
 /// (64 sends posted, 128 waiting). The engine reports the overflow, the peer goes UD while
 /// the queue drains (the next packets take UD at once, the connection stays up), and CM
 /// again once drained; every stream arrives intact.
-#[test]
-fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains() {
+fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv) {
     let test = "an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyo", 2) else {
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyo"), 2) else {
         return;
     };
     for n in [&lab.a, &lab.b] {
@@ -938,8 +1158,8 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains() {
             assert!(out.status.success());
         }
     }
-    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
-    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    attach(&mut lab, Which::A, recv, &dev, &[]);
+    attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let streams: Vec<Stream> = (0..4).map(|i| Stream::start(&a, &b, 5320 + i)).collect();
@@ -996,6 +1216,76 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains() {
     assert_eq!(engine_count(&cm, "send_errors"), 0, "{cm:#?}");
     let total: u64 = streams.into_iter().map(Stream::finish).sum();
     eprintln!("{} MiB in four streams crossed intact", total >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// A receiver whose engine pauses under a burst: B's engine takes nothing for 2 s
+/// (`attach --test-faults`, `pause 2000`) while A streams to it, so B's receive buffers (its
+/// ring of 64, or the SRQ's) run dry. A's sends meet RNR NAKs and wait (retried without end:
+/// the connection lives, no send fails); A's queue fills past its bound, so A's next packets
+/// go UD until it drains; B's heartbeat lapses while its engine shows no life, so B sends UD
+/// meanwhile. Once B's engine turns again the stream goes on over CM, on the same connection,
+/// intact.
+fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Recv) {
+    let test = "a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyd"), 2) else {
+        return;
+    };
+    attach(&mut lab, Which::A, recv, &dev, &[]);
+    attach(&mut lab, Which::B, recv, &dev, &["--test-faults"]);
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5340);
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .expect("promoted");
+    std::thread::sleep(Duration::from_secs(2));
+    let before = cm_of(&a);
+    // Every write of B's entry in A's peer map bumps its generation: UD and back is two.
+    let generation = || a.peer(&b_ip).unwrap().expect("A knows B").generation;
+    let gen_before = generation();
+    std::fs::write(format!("/run/ipoib-ctl/{}.fault", b.iface), "pause 2000").unwrap();
+    // B takes the fault at its next tick (1 s), then pauses 2 s: watch A's view of B.
+    let t = Instant::now();
+    let (mut went_ud, mut b_failsafe) = (false, false);
+    while t.elapsed() < Duration::from_secs(6) {
+        went_ud |= a.peer(&b_ip).unwrap().is_some_and(|p| p.mode == "ud");
+        b_failsafe |= b.status().is_ok_and(|s| s.failsafe_active);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let back = a
+        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("not back on CM after the pause: {:#?}", a.cm().unwrap()));
+    std::thread::sleep(Duration::from_secs(3));
+    let later = a.peer(&b_ip).unwrap().expect("A knows B");
+    let after = cm_of(&a);
+    let sent = stream.finish();
+    let overflows = engine_count(&after, "tx_congested") - engine_count(&before, "tx_congested");
+    let writes = generation().wrapping_sub(gen_before);
+    eprintln!(
+        "B's engine paused 2 s: A's packets for B went UD meanwhile: {} (seen UD {went_ud}, \
+         B's entry at A written {writes} times; A's queue overflowed {overflows} time(s), {} \
+         packets dropped at its bound); B's fail-safe seen: {b_failsafe}; A's send errors {}; \
+         {} MiB crossed intact",
+        went_ud || writes >= 2,
+        engine_count(&after, "tx_backpressure") - engine_count(&before, "tx_backpressure"),
+        engine_count(&after, "send_errors"),
+        sent >> 20
+    );
+    assert_eq!(
+        engine_count(&after, "send_errors"),
+        0,
+        "a send failed: the dry ring killed the connection: {after:#?}"
+    );
+    let peer = cm_peer(&after, &b_ip).expect("B in A's CM status");
+    assert_eq!(
+        peer.promotions, 1,
+        "the connection was set up again: {peer:?}"
+    );
+    assert!(
+        later.traffic.tx_cm_bytes > back.traffic.tx_cm_bytes + (1 << 20),
+        "back on CM, yet the flow does not go CM: {later:?}"
+    );
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }

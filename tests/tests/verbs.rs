@@ -118,6 +118,30 @@ fn discovery_matches_ibv_devinfo() {
         "{dev}: discovery matches ibv_devinfo; plan: {}",
         plan["why"]
     );
+    // `--srq off` plans what an HCA without an SRQ gets: rings of 64 buffers, as many as a
+    // 14 MiB budget holds (three of 4 MiB), inside it.
+    let ctl = ctl_path();
+    let args = [ctl.to_str().unwrap(), "caps", "--json", "--srq", "off"];
+    let out = sh(&[&args[..], &["--memory-budget", "14MiB"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let caps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let devices = caps["devices"].as_array().unwrap();
+    let off = devices
+        .iter()
+        .find(|d| d["device"]["name"] == dev.as_str())
+        .unwrap();
+    let plan = &off["plan"];
+    assert_eq!(plan["kind"], "per_connection", "{plan}");
+    assert_eq!(
+        (plan["ring"].as_u64(), plan["max_cm_peers"].as_u64()),
+        (Some(64), Some(3))
+    );
+    assert_eq!(plan["memory_bytes"].as_u64(), Some(12 << 20), "{plan}");
+    eprintln!("{dev} with --srq off: {}", plan["why"]);
 }
 
 /// An SRQ sized by the memory plan: every buffer posted, the limit event armed, and after

@@ -15,7 +15,10 @@
 //!   QP, brings it to RTS, sends REP, waits for RTU.
 //! * Setups in flight, both sides together, are capped; past the cap a REQ gets REJ busy.
 //! * Connections are capped too ([`Cm::set_limit`], the memory plan): a REQ that would go past
-//!   the cap gets REJ no-resources before anything is allocated for it.
+//!   the cap gets REJ no-resources before anything is allocated for it. Without an SRQ each
+//!   QP needs a receive ring from the node's pool, which counts rings (crossing setups and
+//!   those being torn down included): a REQ that finds no ring gets REJ no-resources too, and
+//!   our own setup fails with [`SetupError::Full`] before it sends a REQ.
 //! * One connection per peer (its IPoIB address, UD QPN and GID). Crossing REQs are resolved
 //!   by the tie-break of RFC 4755: the lower address accepts the other side's REQ, the higher
 //!   one refuses it (REJ crossing) and its own REQ completes.
@@ -41,7 +44,7 @@ use tokio::{
 use super::wire::{
     Hello, HwAddr, Kind, MSG_LEN, Msg, RejectReason, WireError, accepts_crossing, connection_mtu,
 };
-use crate::verbs::{RcQueuePair, Resources, VerbsError};
+use crate::verbs::{RcQueuePair, RcTiming, Resources, VerbsError};
 
 /// A random first PSN (24 bits).
 fn random_psn() -> u32 {
@@ -102,6 +105,8 @@ pub struct SetupConfig {
     pub max_concurrent: usize,
     /// Send queue depth of each RC QP.
     pub max_send_wr: u32,
+    /// ACK and RNR timeouts and retries of each connection.
+    pub timing: RcTiming,
 }
 
 impl Default for SetupConfig {
@@ -113,6 +118,7 @@ impl Default for SetupConfig {
             max_backoff: Duration::from_secs(5),
             max_concurrent: 16,
             max_send_wr: 64,
+            timing: RcTiming::default(),
         }
     }
 }
@@ -247,7 +253,7 @@ pub struct Cm {
     res: Arc<Resources>,
     /// This side's UD QPN (from its IPoIB hardware address).
     pub ud_qpn: u32,
-    /// This side's receive MTU (the SRQ buffer size).
+    /// This side's receive MTU (the receive buffer's size, SRQ or ring).
     pub recv_mtu: u32,
     pub cfg: SetupConfig,
     permits: Arc<Semaphore>,
@@ -276,7 +282,7 @@ async fn write_msg(s: &mut TcpStream, m: Msg, t: Duration) -> Result<(), SetupEr
 impl Cm {
     pub fn new(res: Arc<Resources>, ud_qpn: u32, cfg: SetupConfig) -> Self {
         Self {
-            recv_mtu: res.srq.buffer_bytes,
+            recv_mtu: res.recv.buffer_bytes(),
             res,
             ud_qpn,
             permits: Arc::new(Semaphore::new(cfg.max_concurrent)),
@@ -350,6 +356,15 @@ impl Cm {
         })
     }
 
+    /// A QP for a setup; Err(Full) when the plan's receive rings are all taken.
+    fn new_qp(&self) -> Result<Arc<RcQueuePair>, SetupError> {
+        match self.res.rc_qp(self.cfg.max_send_wr, random_psn()) {
+            Ok(qp) => Ok(qp),
+            Err(VerbsError::RingsExhausted { .. }) => Err(SetupError::Full),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Connects to the peer at `addr` whose IPoIB address is `peer`, retrying transient
     /// failures with exponential backoff.
     pub async fn connect(&self, addr: SocketAddr, peer: HwAddr) -> Result<Connection, SetupError> {
@@ -381,12 +396,14 @@ impl Cm {
         let t = self.cfg.step_timeout;
         let _permit = self.permits.acquire().await.map_err(|_| SetupError::Busy)?;
         let slot = self.claim(peer, Stage::Outgoing)?;
+        // The QP (and its receive ring, without an SRQ) first: past the plan's rings the peer
+        // is not bothered.
+        let qp = self.new_qp()?;
         let mut s = match timeout(t, TcpStream::connect(addr)).await {
             Err(_) => return Err(SetupError::Timeout("TCP connect")),
             Ok(r) => r?,
         };
         s.set_nodelay(true)?;
-        let qp = self.res.rc_qp(self.cfg.max_send_wr, random_psn())?;
         write_msg(&mut s, Msg::Req(self.hello(&qp)), t).await?;
         let rep = match read_msg(&mut s, t, "REP").await? {
             Msg::Rep(h) => h,
@@ -405,7 +422,7 @@ impl Cm {
                 got: rep.hwaddr(),
             });
         }
-        qp.connect(&rep.rc)?;
+        qp.connect(&rep.rc, self.cfg.timing)?;
         write_msg(
             &mut s,
             Msg::Rtu {
@@ -418,7 +435,7 @@ impl Cm {
         slot.set(Stage::Connected);
         self.stats.established.fetch_add(1, Ordering::Relaxed);
         Ok(Connection {
-            qp: Arc::new(qp),
+            qp,
             mtu: connection_mtu(self.recv_mtu, rep.recv_mtu),
             peer: rep,
             peer_addr: addr,
@@ -459,14 +476,14 @@ impl Cm {
                 return Err(e);
             }
         };
-        let qp = match self.res.rc_qp(self.cfg.max_send_wr, random_psn()) {
+        let qp = match self.new_qp() {
             Ok(qp) => qp,
             Err(e) => {
                 write_msg(&mut s, self.reject(RejectReason::NoResources), t).await?;
-                return Err(e.into());
+                return Err(e);
             }
         };
-        qp.connect(&req.rc)?;
+        qp.connect(&req.rc, self.cfg.timing)?;
         write_msg(&mut s, Msg::Rep(self.hello(&qp)), t).await?;
         match read_msg(&mut s, t, "RTU").await? {
             Msg::Rtu { ud_qpn, .. } if ud_qpn == req.ud_qpn => {}
@@ -476,7 +493,7 @@ impl Cm {
         slot.set(Stage::Connected);
         self.stats.established.fetch_add(1, Ordering::Relaxed);
         Ok(Connection {
-            qp: Arc::new(qp),
+            qp,
             mtu: connection_mtu(self.recv_mtu, req.recv_mtu),
             peer: req,
             peer_addr,

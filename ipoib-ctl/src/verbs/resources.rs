@@ -20,6 +20,7 @@ use std::{
 
 use ibverbs_sys as ffi;
 
+use super::receive::{Receive, ReceiveModel, RecvRing, RingPool, wr_id};
 use super::{DeviceList, VerbsError, mtu_bytes};
 
 /// An open device context, closed when the last object made from it is gone.
@@ -41,7 +42,7 @@ impl Drop for Context {
 }
 
 impl Context {
-    fn err(&self, what: &'static str, source: io::Error) -> VerbsError {
+    pub(super) fn err(&self, what: &'static str, source: io::Error) -> VerbsError {
         VerbsError::Query {
             device: self.name.clone(),
             what,
@@ -232,57 +233,84 @@ impl Device {
 }
 
 /// What every connection of a node shares: the PD, one CQ for sends and receives (with a
-/// completion channel), the SRQ, the registered send slots and the port's address. Built once,
-/// for the daemon and the test nodes alike. Each object holds an Arc of what it was made from
-/// (the QPs made from these too), so the HCA's drop order holds whatever drops first.
+/// completion channel), where receives land (the SRQ, or the pool of per-connection rings),
+/// the registered send slots and the port's address. Built once, for the daemon and the test
+/// nodes alike. Each object holds an Arc of what it was made from (the QPs made from these
+/// too), so the HCA's drop order holds whatever drops first.
 pub struct Resources {
     pub pd: Arc<ProtectionDomain>,
     pub send_cq: Arc<CompletionQueue>,
     pub recv_cq: Arc<CompletionQueue>,
-    pub srq: Arc<SharedReceiveQueue>,
+    pub recv: Receive,
     /// Send slots, each one CM message in whole pages.
     pub send: Arc<MemoryRegion>,
     pub port: PortAddress,
 }
 
 impl Resources {
-    /// On `port` of `dev` (its first GID that is set): an SRQ of `depth` receive buffers of
-    /// `buffer_bytes`, `send_slots` send slots, every buffer `stride` bytes apart, and a CQ
-    /// deep enough for all of them (sends twice: a slot may complete in error after a flush).
+    /// On `port` of `dev` (its first GID that is set): receives of `buffer_bytes` as `model`
+    /// says (an SRQ with every buffer posted, or a pool that registers a ring per
+    /// connection), `send_slots` send slots, every buffer `stride` bytes apart, and a CQ deep
+    /// enough for every receive that may be posted and the sends (twice: a slot may complete
+    /// in error after a flush).
     pub fn create(
         dev: &Device,
         port: u8,
-        depth: u32,
+        model: ReceiveModel,
         buffer_bytes: u32,
         send_slots: u32,
         stride: u64,
     ) -> Result<Arc<Self>, VerbsError> {
         let port = dev.first_address(port)?;
         let pd = dev.alloc_pd()?;
-        let cq = CompletionQueue::create(dev, depth + 2 * send_slots, true)?;
-        let srq = SharedReceiveQueue::create(&pd, depth, buffer_bytes, stride)?;
+        let cqe = model.receives().saturating_add(2 * send_slots);
+        let cq = CompletionQueue::create(dev, cqe, true)?;
+        let recv = match model {
+            ReceiveModel::Srq { depth } => Receive::Srq(SharedReceiveQueue::create(
+                &pd,
+                depth,
+                buffer_bytes,
+                stride,
+            )?),
+            ReceiveModel::Rings { depth, max } => {
+                Receive::Rings(RingPool::new(&pd, depth, max, buffer_bytes, stride)?)
+            }
+        };
         let send = MemoryRegion::register(&pd, send_slots, stride)?;
         Ok(Arc::new(Self {
             pd,
             send_cq: cq.clone(),
             recv_cq: cq,
-            srq,
+            recv,
             send,
             port,
         }))
     }
 
-    /// An RC QP on these resources (receiving on the SRQ), first PSN `psn`.
-    pub fn rc_qp(&self, max_send_wr: u32, psn: u32) -> Result<RcQueuePair, VerbsError> {
-        RcQueuePair::create(
+    /// An RC QP on these resources, first PSN `psn`: receiving on the SRQ, or on a ring of
+    /// its own (registered and posted here; Err([`VerbsError::RingsExhausted`]) before
+    /// anything is allocated when the pool is at its cap).
+    pub fn rc_qp(&self, max_send_wr: u32, psn: u32) -> Result<Arc<RcQueuePair>, VerbsError> {
+        let ring = match &self.recv {
+            Receive::Srq(_) => None,
+            Receive::Rings(pool) => Some(pool.ring()?),
+        };
+        let qp = Arc::new(RcQueuePair::create(
             &self.pd,
             &self.send_cq,
             &self.recv_cq,
-            &self.srq,
+            self.recv.srq(),
+            ring,
             self.port,
             max_send_wr,
             psn,
-        )
+        )?);
+        if let (Some(pool), Some(ring)) = (self.recv.rings(), qp.ring()) {
+            pool.register(ring.id, &qp);
+            let slots: Vec<u32> = (0..pool.depth).collect();
+            qp.post_ring(&slots)?;
+        }
+        Ok(qp)
     }
 }
 
@@ -322,7 +350,7 @@ pub struct PortAddress {
 
 pub struct ProtectionDomain {
     pd: *mut ffi::ibv_pd,
-    ctx: Arc<Context>,
+    pub(super) ctx: Arc<Context>,
 }
 
 // SAFETY: as Context.
@@ -449,6 +477,16 @@ impl MemoryRegion {
     }
 }
 
+/// Chains receive work requests, each to its SGE, for one post call.
+fn link(wrs: &mut [ffi::ibv_recv_wr], sges: &mut [ffi::ibv_sge]) {
+    for k in 0..wrs.len() {
+        wrs[k].sg_list = &mut sges[k];
+        if k + 1 < wrs.len() {
+            wrs[k].next = &mut wrs[k + 1] as *mut _;
+        }
+    }
+}
+
 /// A shared receive queue with its buffers registered once and every one of them posted.
 pub struct SharedReceiveQueue {
     srq: *mut ffi::ibv_srq,
@@ -534,7 +572,7 @@ impl SharedReceiveQueue {
         self.posted.fetch_sub(n, Ordering::Relaxed);
     }
 
-    /// Posts the receive buffers `slots` (each receive's wr_id is its slot index), in chains.
+    /// Posts the receive buffers `slots` (each receive's wr_id is its slot: ring 0), in chains.
     pub fn post(&self, slots: std::ops::Range<u32>) -> Result<(), VerbsError> {
         let v: Vec<u32> = slots.collect();
         self.post_slots(&v)
@@ -550,18 +588,13 @@ impl SharedReceiveQueue {
             let mut wrs: Vec<ffi::ibv_recv_wr> = chunk
                 .iter()
                 .map(|&i| ffi::ibv_recv_wr {
-                    wr_id: i as u64,
+                    wr_id: wr_id(0, i),
                     next: ptr::null_mut(),
                     sg_list: ptr::null_mut(),
                     num_sge: 1,
                 })
                 .collect();
-            for k in 0..wrs.len() {
-                wrs[k].sg_list = &mut sges[k];
-                if k + 1 < wrs.len() {
-                    wrs[k].next = &mut wrs[k + 1] as *mut _;
-                }
-            }
+            link(&mut wrs, &mut sges);
             let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
             // SAFETY: the SRQ's context is valid; wrs and sges outlive the call.
             let rc = unsafe {
@@ -785,24 +818,62 @@ pub enum QpState {
     Unknown(u32),
 }
 
-/// RC timing: local ACK timeout 4.096 µs * 2^14 (~67 ms), 7 transport retries, 6 RNR retries
-/// (finite, unlike the kernel's 0/0 and perftest's 7 = forever: a peer whose receive queue
-/// stays empty must end in an error the control plane sees and falls back from).
-const ACK_TIMEOUT: u8 = 14;
-const RETRY_CNT: u8 = 7;
-const RNR_RETRY: u8 = 6;
-/// RNR NAK timer 12 (0.64 ms).
-const MIN_RNR_TIMER: u8 = 12;
+/// RC timing of a connection.
+///
+/// - Transport: local ACK timeout 4.096 µs * 2^14 (~67 ms), 7 retries: a peer that answers
+///   nothing (gone, link down) ends in a completion error within about half a second.
+/// - Receiver not ready (RNR): a receiver whose buffers are all in use answers with an RNR NAK
+///   carrying its `min_rnr_timer`; the sender waits that long and tries again, `rnr_retry`
+///   times (7: without end). A ring per connection holds 64 messages, a few milliseconds of
+///   a fast stream, so any pause of the receiving engine longer than the retries cover kills
+///   a connection that had a finite count (0.64 ms * 7 tries: under 5 ms). Retrying without
+///   end at a short timer makes a busy receiver slow its sender to its own pace, and
+///   liveness is judged elsewhere: the keepalive on the connection's stream (a stopped
+///   peer), the engine's queue bound (a peer that takes nothing goes UD until it drains) and
+///   the policy's idle reaping. Measured in `tests/cm.rs`
+///   (`a_dry_ring_slows_its_sender_and_the_connection_lives`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RcTiming {
+    pub ack_timeout: u8,
+    pub retry_cnt: u8,
+    /// 7: retry without end.
+    pub rnr_retry: u8,
+    /// The RNR NAK timer this end asks for (IB encoding: 12 = 0.64 ms, 31 = 491.52 ms).
+    pub min_rnr_timer: u8,
+}
 
-/// A reliable-connected queue pair receiving on an SRQ.
+impl Default for RcTiming {
+    fn default() -> Self {
+        Self {
+            ack_timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+        }
+    }
+}
+
+/// The RNR NAK timer's IB encoding in microseconds (IBA table 45).
+pub fn rnr_timer_us(code: u8) -> u32 {
+    const US: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
+        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
+        245_760, 327_680, 491_520,
+    ];
+    US[usize::from(code & 31)]
+}
+
+/// A reliable-connected queue pair receiving on an SRQ or on a ring of its own.
 pub struct RcQueuePair {
     qp: *mut ffi::ibv_qp,
     port: PortAddress,
     pub psn: u32,
+    /// Its own receive buffers (no SRQ): freed after the QP is destroyed.
+    ring: Option<RecvRing>,
     _pd: Arc<ProtectionDomain>,
     _send_cq: Arc<CompletionQueue>,
     _recv_cq: Arc<CompletionQueue>,
-    _srq: Arc<SharedReceiveQueue>,
+    _srq: Option<Arc<SharedReceiveQueue>>,
 }
 
 // SAFETY: as Context.
@@ -811,31 +882,36 @@ unsafe impl Sync for RcQueuePair {}
 
 impl Drop for RcQueuePair {
     fn drop(&mut self) {
-        // SAFETY: created here, destroyed once; the CQs, SRQ and PD it uses are fields, alive.
+        // SAFETY: created here, destroyed once; the CQs, SRQ, ring and PD it uses are fields,
+        // alive until after this.
         unsafe { ffi::ibv_destroy_qp(self.qp) };
     }
 }
 
 impl RcQueuePair {
-    /// An RC QP on `srq`, its sends completing on `send_cq`, its receives on `recv_cq`, moved
-    /// to INIT on `port`. `psn` is the first PSN it will send with (24 bits).
-    pub fn create(
+    /// An RC QP receiving on `srq`, or on `ring` (exactly one of them), its sends completing
+    /// on `send_cq`, its receives on `recv_cq`, moved to INIT on `port`. `psn` is the first
+    /// PSN it will send with (24 bits). A ring's receives are posted by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn create(
         pd: &Arc<ProtectionDomain>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
-        srq: &Arc<SharedReceiveQueue>,
+        srq: Option<&Arc<SharedReceiveQueue>>,
+        ring: Option<RecvRing>,
         port: PortAddress,
         max_send_wr: u32,
         psn: u32,
     ) -> Result<Self, VerbsError> {
+        let max_recv_wr = ring.as_ref().map_or(0, |r| r.region.count);
         let mut init = ffi::ibv_qp_init_attr {
             qp_context: ptr::null_mut(),
             send_cq: send_cq.cq,
             recv_cq: recv_cq.cq,
-            srq: srq.srq,
+            srq: srq.map_or(ptr::null_mut(), |s| s.srq),
             cap: ffi::ibv_qp_cap {
                 max_send_wr,
-                max_recv_wr: 0,
+                max_recv_wr,
                 max_send_sge: 1,
                 max_recv_sge: 1,
                 max_inline_data: 0,
@@ -852,10 +928,11 @@ impl RcQueuePair {
             qp,
             port,
             psn: psn & 0xff_ffff,
+            ring,
             _pd: pd.clone(),
             _send_cq: send_cq.clone(),
             _recv_cq: recv_cq.clone(),
-            _srq: srq.clone(),
+            _srq: srq.cloned(),
         };
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
@@ -871,6 +948,51 @@ impl RcQueuePair {
             "ibv_modify_qp(INIT)",
         )?;
         Ok(q)
+    }
+
+    /// Its own receive ring (None on an SRQ).
+    pub fn ring(&self) -> Option<&RecvRing> {
+        self.ring.as_ref()
+    }
+
+    /// Posts the buffers `slots` of its ring (each receive's wr_id names the ring and slot),
+    /// in chains of up to 64.
+    pub fn post_ring(&self, slots: &[u32]) -> Result<(), VerbsError> {
+        let Some(ring) = &self.ring else {
+            return Err(self.ctx().err(
+                "post_recv: the QP receives on an SRQ",
+                io::Error::from(io::ErrorKind::InvalidInput),
+            ));
+        };
+        for chunk in slots.chunks(64) {
+            let mut sges: Vec<ffi::ibv_sge> = chunk
+                .iter()
+                .map(|&i| ring.region.sge(i, ring.buffer_bytes))
+                .collect();
+            let mut wrs: Vec<ffi::ibv_recv_wr> = chunk
+                .iter()
+                .map(|&i| ffi::ibv_recv_wr {
+                    wr_id: wr_id(ring.id, i),
+                    next: ptr::null_mut(),
+                    sg_list: ptr::null_mut(),
+                    num_sge: 1,
+                })
+                .collect();
+            link(&mut wrs, &mut sges);
+            let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
+            // SAFETY: valid QP; wrs and sges outlive the call; the region is registered on
+            // this QP's PD and outlives the QP.
+            let rc = unsafe {
+                let ctx = (*self.qp).context;
+                match (*ctx).ops.post_recv {
+                    Some(f) => f(self.qp, wrs.as_mut_ptr(), &mut bad),
+                    None => libc::EOPNOTSUPP,
+                }
+            };
+            self.ctx().check("post_recv", rc)?;
+            ring.posted.fetch_add(chunk.len() as u32, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     fn ctx(&self) -> &Context {
@@ -909,8 +1031,8 @@ impl RcQueuePair {
         mtu_bytes(self.port.active_mtu.min(remote.mtu))
     }
 
-    /// INIT -> RTR -> RTS towards `remote`.
-    pub fn connect(&self, remote: &RcEndpoint) -> Result<(), VerbsError> {
+    /// INIT -> RTR -> RTS towards `remote`, with `timing`.
+    pub fn connect(&self, remote: &RcEndpoint, timing: RcTiming) -> Result<(), VerbsError> {
         use ffi::ibv_qp_attr_mask as M;
         let global = self.port.ethernet || remote.lid == 0;
         let mut attr = ffi::ibv_qp_attr {
@@ -919,7 +1041,7 @@ impl RcQueuePair {
             dest_qp_num: remote.qpn,
             rq_psn: remote.psn,
             max_dest_rd_atomic: 1,
-            min_rnr_timer: MIN_RNR_TIMER,
+            min_rnr_timer: timing.min_rnr_timer,
             ah_attr: ffi::ibv_ah_attr {
                 grh: ffi::ibv_global_route {
                     dgid: ffi::ibv_gid { raw: remote.gid },
@@ -950,9 +1072,9 @@ impl RcQueuePair {
         )?;
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
-            timeout: ACK_TIMEOUT,
-            retry_cnt: RETRY_CNT,
-            rnr_retry: RNR_RETRY,
+            timeout: timing.ack_timeout,
+            retry_cnt: timing.retry_cnt,
+            rnr_retry: timing.rnr_retry,
             sq_psn: self.psn,
             max_rd_atomic: 1,
             ..Default::default()
@@ -1044,5 +1166,27 @@ impl RcQueuePair {
             }
         };
         self.ctx().check("post_send", rc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rnr_timer_codes_in_microseconds() {
+        assert_eq!(rnr_timer_us(0), 655_360);
+        assert_eq!(rnr_timer_us(1), 10);
+        assert_eq!(rnr_timer_us(12), 640);
+        assert_eq!(rnr_timer_us(14), 1280);
+        assert_eq!(rnr_timer_us(31), 491_520);
+    }
+
+    /// The chosen RNR timing: retried without end, at 0.64 ms (see [`RcTiming`]).
+    #[test]
+    fn a_busy_receiver_is_waited_for() {
+        let t = RcTiming::default();
+        assert_eq!((t.rnr_retry, rnr_timer_us(t.min_rnr_timer)), (7, 640));
+        assert_eq!((t.ack_timeout, t.retry_cnt), (14, 7));
     }
 }

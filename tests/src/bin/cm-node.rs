@@ -1,5 +1,5 @@
 //! A CM peer for the soft-RoCE tests and benchmarks: listens for the handshake, keeps every
-//! connection on one SRQ, and echoes (or only takes) what arrives. Runs in its own network
+//! connection on one SRQ (or a ring each: --rings), and echoes (or only takes) what arrives. Runs in its own network
 //! namespace as the second node; one line on stdout per event:
 //! `ready <gid hex> <ud_qpn>`, `engine <tun>` and `stats k=v ...` once a second (with --tun),
 //! `received <messages> <bytes>` (with --sink), `established <peer ud_qpn> <qpn> <mtu>`, `closed <peer ud_qpn>
@@ -20,6 +20,7 @@ use ipoib_ctl::{
     cm::{Cm, SetupConfig},
     engine::{Engine, EngineConfig, Route},
     tun::Tun,
+    verbs::ReceiveModel,
 };
 use ipoib_tests::cmlab::{Pump, QpTable, Verbs};
 
@@ -32,9 +33,12 @@ struct Args {
     /// This node's UD QPN (a stand-in: there is no IPoIB interface on soft-RoCE).
     #[arg(long, value_parser = parse_u32)]
     ud_qpn: u32,
-    /// SRQ depth.
+    /// SRQ depth (or, with --rings, each ring's).
     #[arg(long, default_value_t = 512)]
     depth: u32,
+    /// No SRQ: a receive ring of --depth buffers per connection, at most this many rings.
+    #[arg(long, value_name = "K")]
+    rings: Option<u32>,
     /// Take messages without echoing or copying them (throughput benchmark); busy-polls and
     /// prints `received <messages> <bytes>` as they arrive.
     #[arg(long)]
@@ -66,7 +70,14 @@ fn parse_u32(s: &str) -> Result<u32, String> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let node = Arc::new(Verbs::open(&args.device, args.depth, 256)?);
+    let model = match args.rings {
+        Some(max) => ReceiveModel::Rings {
+            depth: args.depth,
+            max,
+        },
+        None => ReceiveModel::Srq { depth: args.depth },
+    };
+    let node = Arc::new(Verbs::open_with(&args.device, model, 256)?);
     let cfg = SetupConfig {
         max_concurrent: args.max_setups,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
