@@ -25,7 +25,8 @@ use clap::{Parser, Subcommand};
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
                   cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)\n  \
-                  cargo xtask bench engine   TCP over CM vs UD between the lab's nodes (VM)"
+                  cargo xtask bench engine   TCP over CM (SRQ, rings) vs UD between the lab's nodes (VM)\n  \
+                  cargo xtask bench memory   receive memory against peers: SRQ, rings, the kernel (VM)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -124,6 +125,14 @@ enum Bench {
         #[arg(long, default_value_t = 3)]
         rounds: u32,
     },
+    /// In the VM: receive memory registered against connected peers (1, K, 3K) with an SRQ and
+    /// with a ring per connection (the kernel's view), beside the kernel's formula and the
+    /// plan for 4096 peers.
+    Memory {
+        /// The budget both models are planned with.
+        #[arg(long, default_value = "14MiB")]
+        budget: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -197,6 +206,14 @@ fn main() -> Result<()> {
                 rounds.to_string(),
             ],
             "engine.json",
+        ),
+        Cmd::Bench {
+            what: Bench::Memory { budget },
+        } => bench_in_vm(
+            &root,
+            "bench-memory",
+            &["--budget".into(), budget],
+            "memory.json",
         ),
     }
 }

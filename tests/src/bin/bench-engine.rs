@@ -3,6 +3,10 @@
 //! veth), in the same lab and the same boot, interleaved; and the CPU time each path costs per
 //! byte (all CPUs, from /proc/stat, over the measurement).
 //!
+//! CM is measured on both receive models, each in its own lab in the same boot: an SRQ (what
+//! soft-RoCE offers) and a receive ring per connection (`attach --srq off`, the model of an HCA
+//! without an SRQ).
+//!
 //! The path is switched with the policy, as an operator would: `mode=connected` promotes the
 //! peer (the measurement starts once it is `cm_up`), `mode=datagram` drains it.
 //!
@@ -131,17 +135,21 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dev = rxe_device().context("no RDMA device and none could be made (rdma_rxe)")?;
     let mut lab = Lab::new("bne", false)?;
-    let result = bench(&mut lab, &dev, &args);
+    let mut rings = Lab::new("bnr", false)?;
+    let result = bench(&mut lab, &mut rings, &dev, &args);
     lab.teardown();
+    rings.teardown();
     result
 }
 
-fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
-    lab.attach(Which::A, &["--cm-device", dev])?;
-    lab.attach(Which::B, &["--cm-device", dev])?;
-    let (a, b) = (lab.a.clone(), lab.b.clone());
-    let b_ip = b.ip4.to_string();
-    let mut server = b
+/// Both nodes of `lab` attached (with `extra`), and an iperf3 server on B.
+fn start(lab: &mut Lab, dev: &str, extra: &[&str]) -> Result<std::process::Child> {
+    let args: Vec<&str> = ["--cm-device", dev].iter().chain(extra).copied().collect();
+    lab.attach(Which::A, &args)?;
+    lab.attach(Which::B, &args)?;
+    let b_ip = lab.b.ip4.to_string();
+    let server = lab
+        .b
         .cmd("iperf3")
         .args(["-s", "-B", &b_ip, "-p", "5210"])
         .stdout(Stdio::null())
@@ -149,26 +157,41 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         .spawn()
         .context("iperf3 server")?;
     std::thread::sleep(Duration::from_millis(300));
+    Ok(server)
+}
+
+/// The flow from A to B once B is CM at A (mode=connected promotes it as soon as A sends it
+/// anything, after the hold that follows the previous round's demotion).
+fn cm_run(a: &Node, b: &Node, secs: u32) -> Result<Run> {
+    let b_ip = b.ip4.to_string();
+    set_mode(a, "connected")?;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(30)
+        && a.peer_json(&b_ip)?.is_none_or(|p| p["mode"] != "cm_up")
+    {
+        let _ = a.cmd("ping").args(["-c", "1", "-W", "1", &b_ip]).output();
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    wait_mode(a, &b_ip, "cm_up", Duration::from_secs(1))?;
+    iperf(a, b, secs)
+}
+
+fn bench(lab: &mut Lab, rings: &mut Lab, dev: &str, args: &Args) -> Result<()> {
+    let mut server = start(lab, dev, &[])?;
+    let mut rings_server = start(rings, dev, &["--srq", "off"])?;
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let (ra, rb) = (rings.a.clone(), rings.b.clone());
+    let b_ip = b.ip4.to_string();
     let gid_index = Device::open(dev)?.first_address(1)?.gid_index;
     let window = EngineConfig::default().max_send_wr;
     let mut cm_runs = Vec::new();
+    let mut ring_runs = Vec::new();
     let mut ud_runs = Vec::new();
     let mut perf_runs: Vec<(f64, f64, f64, f64)> = Vec::new();
     let mut err = None;
     for round in 0..args.rounds {
         let r = (|| -> Result<()> {
-            // CM: mode=connected promotes B as soon as A sends it anything (after the hold
-            // that follows the previous round's demotion).
-            set_mode(&a, "connected")?;
-            let t = Instant::now();
-            while t.elapsed() < Duration::from_secs(30)
-                && a.peer_json(&b_ip)?.is_none_or(|p| p["mode"] != "cm_up")
-            {
-                let _ = a.cmd("ping").args(["-c", "1", "-W", "1", &b_ip]).output();
-                std::thread::sleep(Duration::from_millis(500));
-            }
-            wait_mode(&a, &b_ip, "cm_up", Duration::from_secs(1))?;
-            let cm = iperf(&a, &b, args.seconds)?;
+            let cm = cm_run(&a, &b, args.seconds)?;
             // Raw RC between the same namespaces, messages of the engine's mean size, about
             // as many as the engine moved.
             let perftest = SendBw {
@@ -185,15 +208,23 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
             // UD: mode=datagram drains the connection; the fast path sends everything UD.
             set_mode(&a, "datagram")?;
             wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))?;
+            // CM again, on rings per connection, in the other lab.
+            let on_rings = cm_run(&ra, &rb, args.seconds)?;
+            set_mode(&ra, "datagram")?;
+            wait_mode(&ra, &rb.ip4.to_string(), "ud", Duration::from_secs(10))?;
             let ud = iperf(&a, &b, args.seconds)?;
             eprintln!(
                 "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B); \
+                 CM on rings {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM); \
                  UD {:.0} Mbit/s ({:.1} CPU s/GB); ib_send_bw {perf:.0} msg/s",
                 cm.mbit_s,
                 cm.cpu_s_per_gb,
                 cm.cm_share * 100.0,
                 cm.engine_msg_per_s,
                 cm.engine_mean_size,
+                on_rings.mbit_s,
+                on_rings.cpu_s_per_gb,
+                on_rings.cm_share * 100.0,
                 ud.mbit_s,
                 ud.cpu_s_per_gb
             );
@@ -204,6 +235,7 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
                 perf,
             ));
             cm_runs.push(cm);
+            ring_runs.push(on_rings);
             ud_runs.push(ud);
             Ok(())
         })();
@@ -212,8 +244,10 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
             break;
         }
     }
-    let _ = server.kill();
-    let _ = server.wait();
+    for s in [&mut server, &mut rings_server] {
+        let _ = s.kill();
+        let _ = s.wait();
+    }
     if let Some(e) = err {
         return Err(e);
     }
@@ -221,7 +255,7 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         v.sort_by(|x, y| x.mbit_s.total_cmp(&y.mbit_s));
         v[v.len() / 2]
     };
-    let (cm, ud) = (med(&mut cm_runs), med(&mut ud_runs));
+    let (cm, on_rings, ud) = (med(&mut cm_runs), med(&mut ring_runs), med(&mut ud_runs));
     perf_runs.sort_by(|x, y| x.0.total_cmp(&y.0));
     // The round with the median ratio, its own figures beside it.
     let (engine_over_perftest, engine_rate, engine_size, perf) = perf_runs[perf_runs.len() / 2];
@@ -233,6 +267,7 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         "seconds": args.seconds,
         "rounds": args.rounds,
         "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0},
+        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0},
         "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb)},
         "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
         "engine_msg_per_s": engine_rate.round(),
@@ -241,23 +276,17 @@ fn bench(lab: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         "engine_over_ib_send_bw": (engine_over_perftest * 1000.0).round() / 1000.0,
     });
     println!(
-        "\n{:>4} {:>10} {:>12} {:>10}",
+        "\n{:>9} {:>10} {:>12} {:>10}",
         "path", "Mbit/s", "CPU s/GB", "CM share"
     );
-    println!(
-        "{:>4} {:>10.0} {:>12.1} {:>9.0}%",
-        "CM",
-        cm.mbit_s,
-        cm.cpu_s_per_gb,
-        cm.cm_share * 100.0
-    );
-    println!(
-        "{:>4} {:>10.0} {:>12.1} {:>9.0}%",
-        "UD",
-        ud.mbit_s,
-        ud.cpu_s_per_gb,
-        ud.cm_share * 100.0
-    );
+    for (path, r) in [("CM, SRQ", cm), ("CM, rings", on_rings), ("UD", ud)] {
+        println!(
+            "{path:>9} {:>10.0} {:>12.1} {:>9.0}%",
+            r.mbit_s,
+            r.cpu_s_per_gb,
+            r.cm_share * 100.0
+        );
+    }
     println!(
         "engine: {:.0} msg/s of {:.0} B (CM run) vs ib_send_bw {perf:.0} msg/s: {engine_over_perftest:.2} (median round)",
         engine_rate, engine_size
