@@ -99,7 +99,18 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
     let bins = test_binaries(root, &targets)?;
     // One boot for every binary; the script's status is the run's status.
     // The engine's TUN device needs the tun module (devtmpfs then makes /dev/net/tun).
-    let mut script = String::from("set -u; rc=0; uname -r; modprobe tun || true; ");
+    // The kernel's warnings and errors go to the log as they come (a lockup in rdma_rxe
+    // would otherwise show only as a test that never ends).
+    // Every 2 minutes, the processes that have run longer than that (the test binaries and
+    // the lab's daemons aside): what a test that hangs waits on.
+    let mut script = String::from(
+        "set -u; rc=0; uname -r; modprobe tun || true; \
+         dmesg -w --level=emerg,alert,crit,err,warn & \
+         (while sleep 120; do ps -eo etimes=,pid=,stat=,wchan:32=,args= | \
+         while read -r t rest; do case \"$rest\" in *' attach '*|*' --test-threads'*|*'['*|\
+         *virtme*|*udevd*|*dmesg*) ;; \
+         *) [ \"$t\" -gt 120 ] && echo \"[long-running] ${t}s $rest\";; esac; done; done) & ",
+    );
     for (name, exe) in &bins {
         script.push_str(&format!(
             "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 {} --test-threads=1 {} {} || rc=1; ",

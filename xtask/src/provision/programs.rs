@@ -92,7 +92,13 @@ pub const PROGRAMS: &[Program] = &[
         "dmesg",
         "util-linux",
         Host,
-        "the kernel log when the verifier refuses a program",
+        "the kernel log when the verifier refuses a program, and the VM's kernel warnings",
+    ),
+    deb(
+        "ps",
+        "procps",
+        Host,
+        "the VM's watchdog: processes a hanging test waits on",
     ),
     deb(
         "sysctl",
