@@ -113,6 +113,18 @@ pub const PROGRAMS: &[Program] = &[
         "the kernel release in benchmark results and VM logs",
     ),
     deb("id", "coreutils", Host, "xtask: is this root"),
+    deb(
+        "timeout",
+        "coreutils",
+        Host,
+        "the VM's test binaries, each within 45 minutes",
+    ),
+    deb(
+        "sleep",
+        "coreutils",
+        Host,
+        "the VM's watchdog: every 2 minutes",
+    ),
     deb("bash", "bash", Host, "the VM's test script"),
     // what the tests add
     deb(
