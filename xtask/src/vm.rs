@@ -128,7 +128,8 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
     script.push_str("exit $rc");
     match run(root, &script, |_| {}) {
         Err(e) if e.is::<Frozen>() => {
-            // Seen once in a CI run: qemu stopped early in the boot, using no CPU, for good.
+            // A VM that hangs in its boot (as when its script was cut by the kernel command
+            // line's limit) or freezes is given one more boot.
             println!("==> {e}: booting it again (once)");
             run(root, &script, |_| {}).context("tests failed inside the VM (second boot)")?;
         }
@@ -178,6 +179,14 @@ fn lines_to(r: impl Read + Send + 'static, stdout: bool, tx: mpsc::Sender<(bool,
 /// lines are passed to `on_line`. Fails if the VM did not boot (the script must print a line
 /// starting with `==> `) or the script exits non-zero.
 pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<()> {
+    // The script goes in a file the VM reads through the shared filesystem: vng passes
+    // --exec on the kernel command line, which holds 2048 bytes, and a longer script (six test
+    // binaries and the watchdog) was cut there: the VM then hung in its boot, printing nothing.
+    let file = root
+        .join("target/vm")
+        .join(format!("script-{}.sh", std::process::id()));
+    std::fs::create_dir_all(file.parent().expect("a parent"))?;
+    std::fs::write(&file, script).with_context(|| format!("writing {}", file.display()))?;
     let kernel = kernel()?;
     println!(
         "==> booting {} in a VM (software emulation: about a minute to boot)",
@@ -190,7 +199,8 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
     let mut child = vng
         .arg("-r")
         .arg(&kernel)
-        .args(["--cpus", "2", "--memory", "2G", "--exec", script])
+        .args(["--cpus", "2", "--memory", "2G", "--exec"])
+        .arg(format!("bash {}", file.display()))
         .current_dir(root)
         .stdin(Stdio::null())
         // Both piped, never inherited: vng/qemu reopen a file behind their output with
@@ -219,11 +229,13 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
                 // SAFETY: plain kill(2) of the group spawned above.
                 unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
                 let _ = child.wait();
+                let _ = std::fs::remove_file(&file);
                 return Err(Frozen(quiet).into());
             }
         }
     }
     let status = child.wait()?;
+    let _ = std::fs::remove_file(&file);
     if !booted {
         bail!("the VM did not boot or ran nothing ({status})");
     }
