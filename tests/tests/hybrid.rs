@@ -670,6 +670,9 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
             )
         });
     eprintln!("RC path down: A fell back to UD after {:.1?}", t.elapsed());
+    // The map changes at once; the status file (the engine's counters) once a tick.
+    let errors = || read_status(&a.iface).map_or(0, |s| engine_count(&s, "send_errors"));
+    wait_until(Duration::from_secs(3), || errors() > 0);
     let cm = cm_of(&a);
     assert!(
         engine_count(&cm, "send_errors") > 0,

@@ -111,7 +111,7 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
          dmesg -w --level=emerg,alert,crit,err,warn & \
          (while sleep 120; do ps -eo etimes=,pid=,stat=,wchan:32=,args= | \
          while read -r t rest; do case \"$rest\" in *' attach '*|*' --test-threads'*|*'['*|\
-         *virtme*|*udevd*|*dmesg*) ;; \
+         *virtme*|*udevd*|*dmesg*|*/target/vm/script-*) ;; \
          *) [ \"$t\" -gt 120 ] && echo \"[long-running] ${t}s $rest\";; esac; done; done) & ",
     );
     // Each binary within 45 minutes (the hybrid suite takes about 17): a test that hangs
