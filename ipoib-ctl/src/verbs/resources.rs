@@ -477,14 +477,42 @@ impl MemoryRegion {
     }
 }
 
-/// Chains receive work requests, each to its SGE, for one post call.
-fn link(wrs: &mut [ffi::ibv_recv_wr], sges: &mut [ffi::ibv_sge]) {
-    for k in 0..wrs.len() {
-        wrs[k].sg_list = &mut sges[k];
-        if k + 1 < wrs.len() {
-            wrs[k].next = &mut wrs[k + 1] as *mut _;
+/// Posts receives of `region`'s `slots` (`len` bytes each, work request ids of `ring`) in
+/// chains of `chain`, each through `post` (the SRQ's or the QP's post call: it gets the
+/// chain's first request and returns its rc); `posted` counts what went.
+fn post_receives(
+    region: &MemoryRegion,
+    len: u32,
+    ring: u32,
+    slots: &[u32],
+    chain: usize,
+    posted: &AtomicU32,
+    mut post: impl FnMut(*mut ffi::ibv_recv_wr) -> i32,
+) -> i32 {
+    for chunk in slots.chunks(chain) {
+        let mut sges: Vec<ffi::ibv_sge> = chunk.iter().map(|&i| region.sge(i, len)).collect();
+        let mut wrs: Vec<ffi::ibv_recv_wr> = chunk
+            .iter()
+            .map(|&i| ffi::ibv_recv_wr {
+                wr_id: wr_id(ring, i),
+                next: ptr::null_mut(),
+                sg_list: ptr::null_mut(),
+                num_sge: 1,
+            })
+            .collect();
+        for k in 0..wrs.len() {
+            wrs[k].sg_list = &mut sges[k];
+            if k + 1 < wrs.len() {
+                wrs[k].next = &mut wrs[k + 1] as *mut _;
+            }
         }
+        let rc = post(wrs.as_mut_ptr());
+        if rc != 0 {
+            return rc;
+        }
+        posted.fetch_add(chunk.len() as u32, Ordering::Relaxed);
     }
+    0
 }
 
 /// A shared receive queue with its buffers registered once and every one of them posted.
@@ -580,34 +608,19 @@ impl SharedReceiveQueue {
 
     /// Posts the receive buffers of `slots`, in chains of up to 256.
     pub fn post_slots(&self, slots: &[u32]) -> Result<(), VerbsError> {
-        for chunk in slots.chunks(256) {
-            let mut sges: Vec<ffi::ibv_sge> = chunk
-                .iter()
-                .map(|&i| self.region.sge(i, self.buffer_bytes))
-                .collect();
-            let mut wrs: Vec<ffi::ibv_recv_wr> = chunk
-                .iter()
-                .map(|&i| ffi::ibv_recv_wr {
-                    wr_id: wr_id(0, i),
-                    next: ptr::null_mut(),
-                    sg_list: ptr::null_mut(),
-                    num_sge: 1,
-                })
-                .collect();
-            link(&mut wrs, &mut sges);
+        let (region, len) = (&self.region, self.buffer_bytes);
+        let rc = post_receives(region, len, 0, slots, 256, &self.posted, |wr| {
             let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
-            // SAFETY: the SRQ's context is valid; wrs and sges outlive the call.
-            let rc = unsafe {
+            // SAFETY: the SRQ's context is valid; the chain and its SGEs outlive the call.
+            unsafe {
                 let ctx = (*self.srq).context;
                 match (*ctx).ops.post_srq_recv {
-                    Some(f) => f(self.srq, wrs.as_mut_ptr(), &mut bad),
+                    Some(f) => f(self.srq, wr, &mut bad),
                     None => libc::EOPNOTSUPP,
                 }
-            };
-            self.ctx().check("post_srq_recv", rc)?;
-            self.posted.fetch_add(chunk.len() as u32, Ordering::Relaxed);
-        }
-        Ok(())
+            }
+        });
+        self.ctx().check("post_srq_recv", rc)
     }
 
     /// Arms the SRQ limit event: the HCA raises it when fewer than `limit` receives remain.
@@ -964,35 +977,20 @@ impl RcQueuePair {
                 io::Error::from(io::ErrorKind::InvalidInput),
             ));
         };
-        for chunk in slots.chunks(64) {
-            let mut sges: Vec<ffi::ibv_sge> = chunk
-                .iter()
-                .map(|&i| ring.region.sge(i, ring.buffer_bytes))
-                .collect();
-            let mut wrs: Vec<ffi::ibv_recv_wr> = chunk
-                .iter()
-                .map(|&i| ffi::ibv_recv_wr {
-                    wr_id: wr_id(ring.id, i),
-                    next: ptr::null_mut(),
-                    sg_list: ptr::null_mut(),
-                    num_sge: 1,
-                })
-                .collect();
-            link(&mut wrs, &mut sges);
+        let (region, len) = (&ring.region, ring.buffer_bytes);
+        let rc = post_receives(region, len, ring.id, slots, 64, &ring.posted, |wr| {
             let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
-            // SAFETY: valid QP; wrs and sges outlive the call; the region is registered on
-            // this QP's PD and outlives the QP.
-            let rc = unsafe {
+            // SAFETY: valid QP; the chain and its SGEs outlive the call; the region is
+            // registered on this QP's PD and outlives the QP.
+            unsafe {
                 let ctx = (*self.qp).context;
                 match (*ctx).ops.post_recv {
-                    Some(f) => f(self.qp, wrs.as_mut_ptr(), &mut bad),
+                    Some(f) => f(self.qp, wr, &mut bad),
                     None => libc::EOPNOTSUPP,
                 }
-            };
-            self.ctx().check("post_recv", rc)?;
-            ring.posted.fetch_add(chunk.len() as u32, Ordering::Relaxed);
-        }
-        Ok(())
+            }
+        });
+        self.ctx().check("post_recv", rc)
     }
 
     fn ctx(&self) -> &Context {
