@@ -353,9 +353,12 @@ pub enum Reason {
     RxNonIp = 17,
     RxPeer = 18,
     RxDropBlocked = 19,
+    /// The peer's connection is up but its CM device is gone (the control loop that owned it
+    /// died): UD at once, before the heartbeat deadline says so.
+    TxUdCmDeviceGone = 20,
 }
 
-pub const REASON_COUNT: u32 = 20;
+pub const REASON_COUNT: u32 = 21;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -379,6 +382,7 @@ impl Reason {
         Reason::RxNonIp,
         Reason::RxPeer,
         Reason::RxDropBlocked,
+        Reason::TxUdCmDeviceGone,
     ];
 
     /// Stable snake_case name, for status output and JSON.
@@ -404,6 +408,7 @@ impl Reason {
             Reason::RxNonIp => "rx_non_ip",
             Reason::RxPeer => "rx_peer",
             Reason::RxDropBlocked => "rx_drop_blocked",
+            Reason::TxUdCmDeviceGone => "tx_ud_cm_device_gone",
         }
     }
 
@@ -414,7 +419,14 @@ impl Reason {
 
     /// True for egress (`ipoib_egress`) reasons.
     pub const fn is_egress(self) -> bool {
-        (self as u32) <= Reason::TxRcFlagCleared as u32
+        !matches!(
+            self,
+            Reason::RxNoPolicy
+                | Reason::RxMalformed
+                | Reason::RxNonIp
+                | Reason::RxPeer
+                | Reason::RxDropBlocked
+        )
     }
 
     pub fn from_index(i: u32) -> Option<Reason> {
@@ -557,6 +569,11 @@ mod tests {
         assert!(!Reason::TxRcFlagCleared.is_decision());
         assert!(Reason::TxCmRedirect.is_egress());
         assert!(!Reason::RxPeer.is_egress());
+        assert!(Reason::TxUdCmDeviceGone.is_egress());
+        // Names tell the direction.
+        for r in Reason::ALL {
+            assert_eq!(r.is_egress(), r.name().starts_with("tx_"), "{}", r.name());
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ mod parse;
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_OK, xdp_action},
     btf_maps::{Array, HashMap, LruPerCpuHashMap, PerCpuArray},
-    helpers::{bpf_ktime_get_coarse_ns, bpf_redirect},
+    helpers::{bpf_check_mtu, bpf_ktime_get_coarse_ns, bpf_redirect},
     macros::{btf_map, classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -134,7 +134,10 @@ fn egress(ctx: &TcContext) -> i32 {
     } else {
         0
     };
-    let verdict = decide(&frame, policy, l3_len, now);
+    let mut verdict = decide(&frame, policy, l3_len, now);
+    if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, verdict.cm_ifindex) {
+        verdict = Verdict::ud(Reason::TxUdCmDeviceGone, kernel_cm_forbidden(policy));
+    }
     count(verdict.reason, l3_len);
 
     if let Some(dst) = dst
@@ -175,7 +178,7 @@ fn decide(frame: &Frame, policy: &Policy, l3_len: u64, now: u64) -> Verdict {
     if frame.multicast {
         return Verdict::ud(Reason::TxUdMulticast, false);
     }
-    let global_forbids = policy.mode == global_mode::DATAGRAM || policy.kernel_cm == 0;
+    let global_forbids = kernel_cm_forbidden(policy);
     if frame.neighbor_discovery {
         return Verdict::ud(Reason::TxUdNeighborDiscovery, true);
     }
@@ -212,6 +215,25 @@ fn decide(frame: &Frame, policy: &Policy, l3_len: u64, now: u64) -> Verdict {
         cm_ifindex: peer.cm_ifindex,
         forbid_kernel_cm: false,
     }
+}
+
+/// The kernel's own connected mode must not carry unicast IP, whatever the peer.
+#[inline(always)]
+fn kernel_cm_forbidden(policy: &Policy) -> bool {
+    policy.mode == global_mode::DATAGRAM || policy.kernel_cm == 0
+}
+
+/// Whether the device `ifindex` exists (in the packet's namespace). The CM device is the
+/// control loop's TUN, which dies with the process: a redirect to it after a crash would drop
+/// every packet until the heartbeat deadline. bpf_check_mtu looks the device up by index and
+/// answers -ENODEV when there is none (Linux 5.12+; its other answers, about the length, do
+/// not matter here).
+#[inline(always)]
+fn device_exists(ctx: &TcContext, ifindex: u32) -> bool {
+    let mut mtu_len: u32 = 0;
+    // SAFETY: the helper reads the skb of this program's context and writes mtu_len.
+    let rc = unsafe { bpf_check_mtu(ctx.skb.skb.cast(), ifindex, &mut mtu_len, 0, 0) };
+    rc >= 0
 }
 
 /// The fail-safe: a control plane that stopped writing its heartbeat gets no CM traffic.

@@ -8,7 +8,10 @@ use ipoib_common::{
 use ipoib_ctl::clock::monotonic_ns;
 use ipoib_tests::*;
 
-const CM_IFINDEX: u32 = 42;
+/// The CM device of the peers below: `lo`, which every namespace has (the fast path redirects
+/// only into a device that exists; BPF_PROG_TEST_RUN runs the program in the caller's
+/// namespace).
+const CM_IFINDEX: u32 = 1;
 
 /// Peers as a control plane would have written them.
 fn install_peers(h: &mut Harness) {
@@ -671,6 +674,59 @@ fn egress_policy_modes() {
 }
 
 /// The fail-safe: a stale (or never written) heartbeat sends everything UD.
+/// A peer whose CM device is gone (its control loop died with its TUN device) goes UD at once,
+/// though its entry still says CM_UP and the heartbeat is fresh; with the device there again
+/// (a new loop wrote its new ifindex), CM.
+#[test]
+fn egress_to_a_gone_cm_device_goes_ud() {
+    let Some(mut h) = harness("egress_to_a_gone_cm_device_goes_ud", Link::Ipoib) else {
+        return;
+    };
+    // No namespace has this many devices: ifindexes are handed out in increasing order.
+    const GONE: u32 = 0x7fff_fff0;
+    let key = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>().unwrap());
+    let entry = h.dp.maps.peer(&key).unwrap().expect("installed");
+    let big = || tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    for (kernel_cm, rc_cleared) in [(0, true), (1, false)] {
+        h.set_policy(Policy {
+            kernel_cm,
+            ..h.policy()
+        });
+        h.dp.maps
+            .set_peer(
+                key,
+                PeerEntry {
+                    cm_ifindex: GONE,
+                    ..entry
+                },
+            )
+            .unwrap();
+        check_cases(
+            &mut h,
+            vec![case(
+                "device gone",
+                big(),
+                Reason::TxUdCmDeviceGone,
+                rc_cleared,
+                "10.0.0.2",
+                Path::Ud,
+            )],
+        );
+        h.dp.maps.set_peer(key, entry).unwrap();
+        check_cases(
+            &mut h,
+            vec![case(
+                "device back",
+                big(),
+                Reason::TxCmRedirect,
+                false,
+                "10.0.0.2",
+                Path::Cm,
+            )],
+        );
+    }
+}
+
 #[test]
 fn egress_heartbeat_deadline() {
     let Some(mut h) = harness("egress_heartbeat_deadline", Link::Ipoib) else {
