@@ -17,7 +17,10 @@ use std::{
     io,
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -126,7 +129,7 @@ pub struct ReceiveStatus {
 
 impl ReceiveStatus {
     fn of(recv: &Receive, budget_bytes: u64) -> Self {
-        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let registered_bytes = recv.registered_bytes();
         match recv {
             Receive::Srq(srq) => Self {
@@ -171,6 +174,15 @@ pub struct CmStatus {
     pub connections: usize,
     pub established: u64,
     pub failed: u64,
+    /// Incoming handshake streams waiting for their REQ now, and those dropped (oldest
+    /// first) because too many waited.
+    #[serde(default)]
+    pub awaiting_req: u64,
+    #[serde(default)]
+    pub dropped_awaiting_req: u64,
+    /// Tasks alive in the control loop's runtime.
+    #[serde(default)]
+    pub tasks: u64,
     pub engine: HashMap<String, u64>,
     pub peers: Vec<PeerStatus>,
 }
@@ -369,6 +381,17 @@ fn reset_peers(maps: &mut DatapathMaps) -> Result<(), CmError> {
     Ok(())
 }
 
+/// A connection in the engine's routes, watched by its own task.
+struct Watched {
+    /// Ends the watch (and the connection).
+    close: oneshot::Sender<()>,
+    /// Bytes the engine has received on it so far.
+    received: u64,
+    /// When they last grew (monotonic ns, 0 for never): the watch takes it as word from the
+    /// peer.
+    traffic: Arc<AtomicU64>,
+}
+
 /// How a setup or a watched connection ended (from the tasks that run them).
 pub enum Outcome {
     Established(IpAddr, Connection),
@@ -446,8 +469,8 @@ pub struct Manager {
     outcomes: mpsc::UnboundedReceiver<Outcome>,
     /// Established connections waiting for the core's word (route or discard), by QPN.
     parked: HashMap<u32, Connection>,
-    /// Watched connections: what closes each, by QPN.
-    closers: HashMap<u32, oneshot::Sender<()>>,
+    /// Watched connections, by QPN.
+    watched: HashMap<u32, Watched>,
     tick: tokio::time::Interval,
     tun: String,
     tun_ifindex: u32,
@@ -512,7 +535,7 @@ impl Manager {
             outcomes_tx,
             outcomes,
             parked: HashMap::new(),
-            closers: HashMap::new(),
+            watched: HashMap::new(),
             tick,
             tun: tun_name,
             tun_ifindex,
@@ -671,7 +694,16 @@ impl Manager {
             EngineEvent::Congested(ip) => self.core.handle_congested(ip),
             EngineEvent::Drained(ip) => self.core.handle_drained(ip),
             EngineEvent::RouteAdded { ip, qpn } => self.core.handle_route_added(ip, qpn),
-            EngineEvent::Received(totals) => self.core.handle_received(&totals),
+            EngineEvent::Received(totals) => {
+                for (qpn, total) in &totals {
+                    if let Some(w) = self.watched.get_mut(qpn)
+                        && std::mem::replace(&mut w.received, *total) != *total
+                    {
+                        w.traffic.store(now, Ordering::Relaxed);
+                    }
+                }
+                self.core.handle_received(&totals);
+            }
         }
     }
 
@@ -719,7 +751,7 @@ impl Manager {
                 self.core.handle_setup_failed(now, ip, Failure::from(&e));
             }
             Outcome::Closed { ip, qpn, gone } => {
-                self.closers.remove(&qpn);
+                self.watched.remove(&qpn);
                 self.core.handle_closed(now, ip, qpn, gone);
             }
         }
@@ -740,7 +772,7 @@ impl Manager {
                 Command::AddRoute { ip, qpn } => self.add_route(ip, qpn),
                 Command::RemoveRoute { ip, qpn, close } => {
                     let close = if close {
-                        self.closers.remove(&qpn)
+                        self.watched.remove(&qpn).map(|w| w.close)
                     } else {
                         None
                     };
@@ -824,12 +856,18 @@ impl Manager {
                 Duration::from_nanos(p.heartbeat_timeout_ns)
             })
             .max(Duration::from_secs(1));
-        let (close_tx, close_rx) = oneshot::channel::<()>();
-        self.closers.insert(qpn, close_tx);
+        let (close, close_rx) = oneshot::channel::<()>();
+        let traffic = Arc::new(AtomicU64::new(0));
+        let w = Watched {
+            close,
+            received: 0,
+            traffic: traffic.clone(),
+        };
+        self.watched.insert(qpn, w);
         let tx = self.outcomes_tx.clone();
         tokio::spawn(async move {
             let gone = tokio::select! {
-                g = c.watch(dead_after / 3, dead_after) => Some(g),
+                g = c.watch(dead_after / 3, dead_after, &traffic) => Some(g),
                 _ = close_rx => None,
             };
             c.close();
@@ -844,7 +882,7 @@ impl Manager {
             .into_iter()
             .map(PeerStatus::from)
             .collect();
-        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let engine = self.engine.stats.snapshot();
         let status = CmStatus {
             device: self.opts.device.clone(),
@@ -857,6 +895,11 @@ impl Manager {
             connections: self.core.connections(),
             established: get(&self.cm.stats.established),
             failed: get(&self.cm.stats.failed),
+            awaiting_req: get(&self.cm.stats.awaiting_req),
+            dropped_awaiting_req: get(&self.cm.stats.dropped_awaiting_req),
+            tasks: tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks() as u64,
             engine: engine
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))

@@ -350,6 +350,11 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
         human_bytes(r.registered_bytes),
         human_bytes(r.budget_bytes)
     );
+    let _ = writeln!(
+        out,
+        "    handshake: {} streams waiting for a REQ, {} dropped unanswered; {} tasks",
+        cm.awaiting_req, cm.dropped_awaiting_req, cm.tasks
+    );
     let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
     let _ = writeln!(
         out,

@@ -203,6 +203,125 @@ impl SmallUdp {
     }
 }
 
+/// Numbered UDP datagrams of 1200 bytes (over `cm_min_bytes`: they go CM when the peer is up)
+/// from `a` to `b`, one a millisecond, until `finish`; the receiver notes when each arrived.
+struct PacedUdp {
+    stop: Arc<AtomicBool>,
+    sender: std::thread::JoinHandle<u32>,
+    receiver: std::thread::JoinHandle<Vec<(u32, Instant)>>,
+}
+
+impl PacedUdp {
+    const LEN: usize = 1200;
+
+    fn start(a: &Node, b: &Node, port: u16) -> Self {
+        let addr = format!("{}:{port}", b.ip4);
+        let sock = in_netns(&b.ns, {
+            let addr = addr.clone();
+            move || std::net::UdpSocket::bind(addr).expect("UDP at B")
+        });
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let receiver = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 2048];
+            // Ends 5 s after the last datagram.
+            while let Ok(n) = sock.recv(&mut buf) {
+                assert_eq!(n, Self::LEN, "a datagram changed size");
+                got.push((
+                    u32::from_be_bytes(buf[..4].try_into().unwrap()),
+                    Instant::now(),
+                ));
+            }
+            got
+        });
+        let sender = std::thread::spawn({
+            let (ns, stop) = (a.ns.clone(), stop.clone());
+            move || {
+                in_netns(&ns, move || {
+                    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+                    let t = Instant::now();
+                    let mut i = 0u32;
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut d = [0u8; Self::LEN];
+                        d[..4].copy_from_slice(&i.to_be_bytes());
+                        // A full socket buffer would block: the rate is the sender's own.
+                        s.send_to(&d, &addr).expect("send a datagram");
+                        i += 1;
+                        let due = t + Duration::from_millis(u64::from(i));
+                        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                    }
+                    i
+                })
+            }
+        });
+        Self {
+            stop,
+            sender,
+            receiver,
+        }
+    }
+
+    /// Stops; (sent, each datagram received once with when it came).
+    fn finish(self) -> (u32, Vec<(u32, Instant)>) {
+        self.stop.store(true, Ordering::Relaxed);
+        let sent = self.sender.join().expect("UDP sender");
+        let got = self.receiver.join().expect("UDP receiver");
+        (sent, got)
+    }
+}
+
+/// The longest time within `[from, to]` with no arrival, of arrivals `at` (sorted).
+fn longest_gap(at: &[Instant], from: Instant, to: Instant) -> Duration {
+    let inside = at.iter().copied().filter(|t| *t >= from && *t <= to);
+    let mut last = from;
+    let mut gap = Duration::ZERO;
+    for t in inside.chain([to]) {
+        gap = gap.max(t - last);
+        last = t;
+    }
+    gap
+}
+
+/// Samples of a growing byte count (when, total), taken every 100 ms while `during` runs.
+fn sample_while(count: impl Fn() -> u64 + Sync, during: impl FnOnce()) -> Vec<(Instant, u64)> {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let mut v = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                v.push((Instant::now(), count()));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            v.push((Instant::now(), count()));
+            v
+        });
+        during();
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap()
+    })
+}
+
+/// The half-second windows of `samples` in which the count did not grow: (start, end) offsets
+/// from the first sample.
+fn idle_half_seconds(samples: &[(Instant, u64)]) -> Vec<(Duration, Duration)> {
+    let Some(&(t0, _)) = samples.first() else {
+        return Vec::new();
+    };
+    let mut idle = Vec::new();
+    let mut i = 0;
+    for j in 0..samples.len() {
+        // The earliest sample at least 0.5 s before sample j.
+        while samples[j].0 - samples[i].0 > Duration::from_millis(500) {
+            i += 1;
+        }
+        if i > 0 && samples[j].1 == samples[i - 1].1 {
+            idle.push((samples[i - 1].0 - t0, samples[j].0 - t0));
+        }
+    }
+    idle
+}
+
 /// Polls `done` every 100 ms until it holds or `within` has passed; whether it held.
 fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
     let t = Instant::now();
@@ -631,6 +750,274 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     returns_to_cm(&a, &b_ip, Duration::from_secs(30), "B's restart");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// The node's own control loop killed (kill -9) under a UDP flow at a fixed rate and a TCP
+/// stream, both A -> B on CM, then started again. Its TUN device dies with it: the fast path
+/// sends the flows UD at once (the device is gone: `tx_ud_cm_device_gone`), not after the
+/// heartbeat deadline. Lost: at most what was inside the engine when it died (the TUN queue of
+/// 500 packets, the connection's backlog of 128 and its 64 sends in flight), and no half
+/// second passes without a datagram or a byte of the stream, for the kill or the restart
+/// (which adopts the pins, resets the stale CM entries and promotes B again).
+#[test]
+fn the_nodes_own_crash_and_restart_stall_no_flow() {
+    let test = "the_nodes_own_crash_and_restart_stall_no_flow";
+    let recv = Recv::Srq;
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyc", 2) else {
+        return;
+    };
+    let pid_a = attach(&mut lab, Which::A, recv, &dev, &[]);
+    attach(&mut lab, Which::B, recv, &dev, &[]);
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let udp = PacedUdp::start(&a, &b, 5340);
+    let stream = Stream::start(&a, &b, 5341);
+    let on_cm = a
+        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .expect("promoted");
+    // Both flows on CM: the datagrams are counted there too.
+    std::thread::sleep(Duration::from_secs(2));
+    let before = a.peer(&b_ip).unwrap().unwrap();
+    assert!(
+        before.traffic.tx_cm_packets > on_cm.traffic.tx_cm_packets + 1000,
+        "the flows do not go CM: {before:?}"
+    );
+    let gone0 = reason(&a.status().unwrap(), "tx_ud_cm_device_gone");
+
+    let killed = Instant::now();
+    let after_kill = sample_while(
+        || stream.received(),
+        || {
+            lab.kill9(pid_a);
+            std::thread::sleep(Duration::from_secs(4));
+        },
+    );
+    let gone = reason(&a.status().unwrap(), "tx_ud_cm_device_gone") - gone0;
+    let restarted = Instant::now();
+    let after_restart = sample_while(
+        || stream.received(),
+        || {
+            attach(&mut lab, Which::A, recv, &dev, &[]);
+            a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
+                .expect("promoted again after the restart");
+            std::thread::sleep(Duration::from_secs(2));
+        },
+    );
+    let ended = Instant::now();
+    let (sent, got) = udp.finish();
+    let total = stream.finish();
+
+    let mut seqs: Vec<u32> = got.iter().map(|(i, _)| *i).collect();
+    seqs.sort_unstable();
+    seqs.dedup();
+    assert_eq!(seqs.len(), got.len(), "a datagram arrived twice");
+    let lost = sent - got.len() as u32;
+    let mut at: Vec<Instant> = got.iter().map(|(_, t)| *t).collect();
+    at.sort_unstable();
+    let gap_kill = longest_gap(&at, killed, restarted);
+    let gap_restart = longest_gap(&at, restarted, ended);
+    let (idle_kill, idle_restart) = (
+        idle_half_seconds(&after_kill),
+        idle_half_seconds(&after_restart),
+    );
+    // The idle windows overlap: their span says it.
+    let span = |w: &[(Duration, Duration)]| match (w.first(), w.last()) {
+        (Some(f), Some(l)) => format!("{} from {:.1?} to {:.1?}", w.len(), f.0, l.1),
+        _ => "none".to_string(),
+    };
+    eprintln!(
+        "kill -9: UDP longest gap {gap_kill:.2?}, {gone} packets sent UD for the gone device; \
+         restart: UDP longest gap {gap_restart:.2?} (restart to CM again {:.1?}); \
+         {lost} of {sent} datagrams lost; TCP {} MiB, idle half-seconds after the kill: {}, \
+         after the restart: {}",
+        ended - restarted - Duration::from_secs(2),
+        total >> 20,
+        span(&idle_kill),
+        span(&idle_restart)
+    );
+    assert!(gone > 0, "no packet met the gone device's check");
+    assert!(
+        lost <= 500 + 128 + 64,
+        "{lost} datagrams lost: more than the engine could hold"
+    );
+    for (what, gap) in [("kill", gap_kill), ("restart", gap_restart)] {
+        assert!(
+            gap < Duration::from_millis(500),
+            "the UDP flow stalled {gap:?} after the {what}"
+        );
+    }
+    assert!(idle_kill.is_empty(), "the stream stalled after the kill");
+    assert!(
+        idle_restart.is_empty(),
+        "the stream stalled after the restart"
+    );
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// What a flood of the handshake port did, from the flooder's side.
+#[derive(Debug, Default)]
+struct FloodReport {
+    opened: u64,
+    refused: u64,
+}
+
+/// From `from`'s namespace, TCP connections to `to`, `hold` of them open at once, renewed
+/// (the oldest closed) about 300 a second until `until`: a third send nothing, a third send
+/// 48 bytes of garbage, a third half a REQ (magic, version, kind, then nothing).
+fn flood(
+    from: &Node,
+    to: std::net::SocketAddr,
+    hold: usize,
+    until: Instant,
+) -> std::thread::JoinHandle<FloodReport> {
+    let ns = from.ns.clone();
+    std::thread::spawn(move || {
+        in_netns(&ns, move || {
+            use ipoib_ctl::cm::wire::{Kind, MAGIC, VERSION};
+            let mut open = std::collections::VecDeque::new();
+            let mut r = FloodReport::default();
+            let mut i = 0u64;
+            while Instant::now() < until {
+                i += 1;
+                match TcpStream::connect_timeout(&to, Duration::from_secs(1)) {
+                    Ok(mut s) => {
+                        r.opened += 1;
+                        let _ = match i % 3 {
+                            0 => Ok(()),
+                            1 => s.write_all(&[0x5a; 48]),
+                            _ => {
+                                let mut half = [0u8; 24];
+                                half[..4].copy_from_slice(&MAGIC);
+                                half[4] = VERSION;
+                                half[5] = Kind::Req as u8;
+                                s.write_all(&half)
+                            }
+                        };
+                        open.push_back(s);
+                        if open.len() > hold {
+                            open.pop_front();
+                        }
+                    }
+                    Err(_) => r.refused += 1,
+                }
+                std::thread::sleep(Duration::from_micros(3300));
+            }
+            r
+        })
+    })
+}
+
+/// `pid`'s resident memory (KiB) and open file descriptors.
+fn rss_and_fds(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
+    (rss, fds)
+}
+
+/// A flood on A's handshake port from a third namespace (C), for 20 s: 300 connections open at
+/// once, renewed about 300 a second, sending nothing, garbage or half a REQ. Meanwhile small
+/// UDP B -> A is counted (none may be lost), and a bulk stream B -> A starts 3 s in, so B must
+/// set up its connection to A through the flood. A's streams waiting for a REQ stay at the
+/// bound (64), and with them its tasks, descriptors and memory; B's setup is refused at most
+/// while the flood lasts and comes within seconds after it.
+#[test]
+fn a_flood_on_the_handshake_port_costs_nothing() {
+    let test = "a_flood_on_the_handshake_port_costs_nothing";
+    let recv = Recv::Srq;
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyf", 3) else {
+        return;
+    };
+    let pid_a = attach(&mut lab, Which::A, recv, &dev, &[]);
+    attach(&mut lab, Which::B, recv, &dev, &[]);
+    let (a, b, c) = (lab.a.clone(), lab.b.clone(), lab.more[0].clone());
+    let a_ip = a.ip4.to_string();
+    let (rss0, fds0) = rss_and_fds(pid_a);
+    let tasks0 = cm_of(&a).tasks;
+    let small = SmallUdp::start(&b, &a, 5350, 13_000);
+    let start = Instant::now();
+    let until = start + Duration::from_secs(20);
+    let port = a.status().unwrap().policy.ctl_port;
+    let flooder = flood(
+        &c,
+        std::net::SocketAddr::new(a.ip4.into(), port),
+        300,
+        until,
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let stream = Stream::start(&b, &a, 5351);
+    let mut peak = (0u64, 0u64, 0u64, 0u64);
+    let mut on_cm_at = None;
+    while Instant::now() < until + Duration::from_secs(15) && on_cm_at.is_none() {
+        let cm = cm_of(&a);
+        let (rss, fds) = rss_and_fds(pid_a);
+        peak = (
+            peak.0.max(cm.awaiting_req),
+            peak.1.max(cm.tasks),
+            peak.2.max(rss),
+            peak.3.max(fds),
+        );
+        if b.peer(&a_ip).unwrap().is_some_and(|p| p.mode == "cm_up") {
+            on_cm_at = Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let report = flooder.join().expect("flooder");
+    let cm = cm_of(&a);
+    eprintln!(
+        "flood: {} connections opened ({} refused) in 20 s; A: peak {} streams waiting for a REQ \
+         ({} dropped), peak {} tasks (idle {tasks0}), peak RSS {} KiB (idle {rss0}), peak {} fds \
+         (idle {fds0}); B's setup to A done {:.1?} after the flood began (it ended at 20 s)",
+        report.opened,
+        report.refused,
+        peak.0,
+        cm.dropped_awaiting_req,
+        peak.1,
+        peak.2,
+        peak.3,
+        on_cm_at
+    );
+    let on_cm_at = on_cm_at.unwrap_or_else(|| {
+        panic!(
+            "B not on CM with A 15 s after the flood: {:#?}\nA's log:\n{}",
+            b.cm().unwrap(),
+            ctl_log(&a)
+        )
+    });
+    assert!(
+        report.opened > 1000,
+        "the flood was too thin to prove anything: {report:?}"
+    );
+    assert!(
+        cm.dropped_awaiting_req > 0,
+        "the flood never filled the waiting set: {cm:#?}"
+    );
+    assert!(peak.0 <= 64, "streams waiting for a REQ past the bound");
+    assert!(peak.1 <= tasks0 + 64 + 16 + 16, "tasks grew with the flood");
+    assert!(
+        peak.3 <= fds0 + 64 + 16 + 16,
+        "descriptors grew with the flood"
+    );
+    assert!(peak.2 <= rss0 + 32 * 1024, "memory grew with the flood");
+    assert!(
+        on_cm_at < Duration::from_secs(20 + 10),
+        "B's setup came {on_cm_at:?} after the flood began"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let (sent, received) = small.finish();
+    assert_eq!(received, sent, "small UDP lost under the flood");
+    let total = stream.finish();
+    eprintln!(
+        "{} MiB crossed intact; {received} of {sent} small datagrams",
+        total >> 20
+    );
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }
@@ -1213,8 +1600,11 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
     let cm = cm_of(&a);
     let peer = cm_peer(&cm, &b_ip).expect("B in A's CM status");
     assert_eq!(
-        peer.promotions, 1,
-        "congestion tore the connection down: {peer:?}"
+        peer.promotions,
+        1,
+        "congestion tore the connection down: {peer:?}\n{cm:#?}\nA's log:\n{}\nB's log:\n{}",
+        ctl_log(&a),
+        ctl_log(&b)
     );
     assert_eq!(engine_count(&cm, "send_errors"), 0, "{cm:#?}");
     let total: u64 = streams.into_iter().map(Stream::finish).sum();

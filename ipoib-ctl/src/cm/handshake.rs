@@ -24,7 +24,7 @@
 //!   one refuses it (REJ crossing) and its own REQ completes.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     io,
     net::SocketAddr,
     sync::{
@@ -38,13 +38,17 @@ use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
     sync::{Semaphore, mpsc},
+    task::AbortHandle,
     time::timeout,
 };
 
 use super::wire::{
     Hello, HwAddr, Kind, MSG_LEN, Msg, RejectReason, WireError, accepts_crossing, connection_mtu,
 };
-use crate::verbs::{RcQueuePair, RcTiming, Resources, VerbsError};
+use crate::{
+    clock::monotonic_ns,
+    verbs::{RcQueuePair, RcTiming, Resources, VerbsError},
+};
 
 /// A random first PSN (24 bits).
 fn random_psn() -> u32 {
@@ -103,6 +107,12 @@ pub struct SetupConfig {
     pub max_backoff: Duration,
     /// Setups in flight at once, active and passive together.
     pub max_concurrent: usize,
+    /// Incoming streams that have not sent their REQ yet, at most: past it the oldest is
+    /// dropped. A peer sends its REQ as soon as it connects, so only streams that send nothing
+    /// (or half a REQ) grow old; a flood of them costs this many tasks and sockets, and a
+    /// setup among them is refused only if the flood turns this many over before its REQ
+    /// arrives.
+    pub max_awaiting_req: usize,
     /// Send queue depth of each RC QP.
     pub max_send_wr: u32,
     /// ACK and RNR timeouts and retries of each connection.
@@ -117,6 +127,7 @@ impl Default for SetupConfig {
             backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(5),
             max_concurrent: 16,
+            max_awaiting_req: 64,
             max_send_wr: 64,
             timing: RcTiming::default(),
         }
@@ -189,24 +200,40 @@ impl Connection {
     }
 
     /// Watches the peer: sends a keepalive byte every `every` and resolves when the peer
-    /// closes the stream ([`Gone::Closed`]) or sends nothing for `dead_after`
-    /// ([`Gone::Silent`]). Both sides must run it (a side that does not sends nothing and is
-    /// taken as gone).
-    pub async fn watch(&mut self, every: Duration, dead_after: Duration) -> Gone {
+    /// closes the stream ([`Gone::Closed`]) or is silent for `dead_after` ([`Gone::Silent`]).
+    /// Both sides must run it (a side that does not sends nothing and is taken as gone).
+    /// `traffic` holds when the peer's engine was last seen sending on the connection
+    /// (monotonic ns, 0 for never): that proves it alive as a keepalive does, and under load
+    /// the keepalive, a small packet on UD, may be the one that is late.
+    pub async fn watch(
+        &mut self,
+        every: Duration,
+        dead_after: Duration,
+        traffic: &AtomicU64,
+    ) -> Gone {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut heard = tokio::time::Instant::now();
+        let mut hearing = Hearing::new(monotonic_ns(), every, dead_after);
         let mut b = [0u8; 64];
         loop {
+            // Reads first: bytes that came while this task did not run are heard before the
+            // tick judges.
             let got = tokio::select! {
+                biased;
                 r = self.ctl.read(&mut b) => Some(r),
                 _ = tick.tick() => None,
             };
             match got {
                 Some(Ok(0) | Err(_)) => return Gone::Closed,
-                Some(Ok(_)) => heard = tokio::time::Instant::now(),
+                Some(Ok(_)) => hearing.heard(monotonic_ns()),
                 None => {
-                    if heard.elapsed() > dead_after {
+                    let now = monotonic_ns();
+                    hearing.heard(traffic.load(Ordering::Relaxed));
+                    if let Some(silence) = hearing.turn(now) {
+                        tracing::info!(
+                            "{}: nothing heard for {silence:?} (keepalive or traffic)",
+                            self.peer_addr
+                        );
                         return Gone::Silent;
                     }
                     // A full socket buffer (the peer reads nothing) is not an error here: the
@@ -228,6 +255,49 @@ impl Connection {
     }
 }
 
+/// When a watched peer is silent: nothing heard from it for the deadline, counted only over
+/// time this side was itself running. A watch that did not run for a while (the process or the
+/// machine starved of CPU, stopped, a VM paused) could not have heard the peer either, and the
+/// peer, starved alike, could not have sent: the silence counts from its wake. I/O-free, on
+/// monotonic nanoseconds.
+#[derive(Debug, Clone)]
+struct Hearing {
+    heard: u64,
+    /// Since when the watch has turned without a gap longer than its deadline allows.
+    awake_since: u64,
+    last_turn: u64,
+    every: u64,
+    dead_after: u64,
+}
+
+impl Hearing {
+    fn new(now: u64, every: Duration, dead_after: Duration) -> Self {
+        Self {
+            heard: now,
+            awake_since: now,
+            last_turn: now,
+            every: every.as_nanos() as u64,
+            dead_after: dead_after.as_nanos() as u64,
+        }
+    }
+
+    /// The peer was heard at `at` (a time in the past is ignored).
+    fn heard(&mut self, at: u64) {
+        self.heard = self.heard.max(at);
+    }
+
+    /// The watch's turn at `now`: the silence when it is past the deadline.
+    fn turn(&mut self, now: u64) -> Option<Duration> {
+        // A turn later than two periods: this side was not running in between.
+        if now.saturating_sub(self.last_turn) > 2 * self.every {
+            self.awake_since = now;
+        }
+        self.last_turn = now;
+        let silence = now.saturating_sub(self.heard.max(self.awake_since));
+        (silence > self.dead_after).then(|| Duration::from_nanos(silence))
+    }
+}
+
 /// The byte [`Connection::watch`] sends, after RTU, while the connection lives.
 const KEEPALIVE: u8 = b'K';
 
@@ -240,12 +310,33 @@ pub enum Gone {
     Silent,
 }
 
+/// One stream counted in [`CmStats::awaiting_req`] while this lives (dropped with its task,
+/// aborted or not).
+struct AwaitingReq(Arc<Cm>);
+
+impl AwaitingReq {
+    fn new(cm: &Arc<Cm>) -> Self {
+        cm.stats.awaiting_req.fetch_add(1, Ordering::Relaxed);
+        Self(cm.clone())
+    }
+}
+
+impl Drop for AwaitingReq {
+    fn drop(&mut self) {
+        self.0.stats.awaiting_req.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Counters of the handshake, for status and tests.
 #[derive(Debug, Default)]
 pub struct CmStats {
     pub established: AtomicU64,
     pub rejected_sent: AtomicU64,
     pub failed: AtomicU64,
+    /// Incoming streams dropped, oldest first, because too many waited for their REQ.
+    pub dropped_awaiting_req: AtomicU64,
+    /// Incoming streams waiting for their REQ now.
+    pub awaiting_req: AtomicU64,
 }
 
 /// The connection manager of one node (one IPoIB interface).
@@ -446,24 +537,37 @@ impl Cm {
 
     /// The passive side of one TCP stream. Nothing is allocated until the REQ is valid.
     pub async fn accept(&self, mut s: TcpStream) -> Result<Connection, SetupError> {
+        let req = self.take_req(&mut s).await?;
+        self.answer(s, req).await
+    }
+
+    /// Reads an incoming stream's REQ; a malformed one or another message is answered with a
+    /// REJ. Holds nothing of the setup's: no permit, no entry, no QP.
+    async fn take_req(&self, s: &mut TcpStream) -> Result<Hello, SetupError> {
+        let t = self.cfg.step_timeout;
+        s.set_nodelay(true)?;
+        match read_msg(s, t, "REQ").await {
+            Ok(Msg::Req(h)) => Ok(h),
+            Ok(m) => {
+                write_msg(s, self.reject(RejectReason::Malformed), t).await?;
+                Err(SetupError::Unexpected(m.kind()))
+            }
+            Err(SetupError::Malformed(e)) => {
+                write_msg(s, self.reject(e.reason()), t).await?;
+                Err(e.into())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The passive side once its REQ is in: a permit (REJ busy past the setups in flight),
+    /// the peer's entry, the QP, REP, RTU.
+    async fn answer(&self, mut s: TcpStream, req: Hello) -> Result<Connection, SetupError> {
         let t = self.cfg.step_timeout;
         let peer_addr = s.peer_addr()?;
-        s.set_nodelay(true)?;
         let Ok(_permit) = self.permits.try_acquire() else {
             write_msg(&mut s, self.reject(RejectReason::Busy), t).await?;
             return Err(SetupError::Busy);
-        };
-        let req = match read_msg(&mut s, t, "REQ").await {
-            Ok(Msg::Req(h)) => h,
-            Ok(m) => {
-                write_msg(&mut s, self.reject(RejectReason::Malformed), t).await?;
-                return Err(SetupError::Unexpected(m.kind()));
-            }
-            Err(SetupError::Malformed(e)) => {
-                write_msg(&mut s, self.reject(e.reason()), t).await?;
-                return Err(e.into());
-            }
-            Err(e) => return Err(e),
         };
         let slot = match self.claim(req.hwaddr(), Stage::Incoming) {
             Ok(slot) => slot,
@@ -502,27 +606,120 @@ impl Cm {
         })
     }
 
-    /// Accepts on `listener` until it fails or `tx` is closed: each stream is handled in its
-    /// own task, and every outcome goes to `tx`.
+    /// Accepts on `listener` until it fails or `tx` is closed: each stream waits for its REQ
+    /// in its own task, at most [`SetupConfig::max_awaiting_req`] of them (past it the oldest
+    /// is dropped); a REQ goes on in a task of its own, and every outcome goes to `tx`.
     pub async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
         tx: mpsc::UnboundedSender<(SocketAddr, Result<Connection, SetupError>)>,
     ) -> io::Result<()> {
+        // The tasks of streams waiting for their REQ, oldest first (finished ones are pruned
+        // as streams come).
+        let mut awaiting: VecDeque<AbortHandle> = VecDeque::new();
         loop {
             let (s, addr) = listener.accept().await?;
             if tx.is_closed() {
                 return Ok(());
             }
-            let (cm, tx) = (self.clone(), tx.clone());
-            tokio::spawn(async move {
-                let r = cm.accept(s).await;
-                if let Err(e) = &r {
-                    cm.stats.failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%addr, "incoming setup failed: {e}");
+            awaiting.retain(|h| !h.is_finished());
+            while awaiting.len() >= self.cfg.max_awaiting_req.max(1) {
+                if let Some(oldest) = awaiting.pop_front() {
+                    oldest.abort();
+                    self.stats
+                        .dropped_awaiting_req
+                        .fetch_add(1, Ordering::Relaxed);
                 }
-                let _ = tx.send((addr, r));
+            }
+            let (cm, tx) = (self.clone(), tx.clone());
+            let gauge = AwaitingReq::new(&cm);
+            let waiting = tokio::spawn(async move {
+                let mut s = s;
+                let req = cm.take_req(&mut s).await;
+                drop(gauge);
+                let report = move |cm: &Cm, r: Result<Connection, SetupError>| {
+                    if let Err(e) = &r {
+                        cm.stats.failed.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%addr, "incoming setup failed: {e}");
+                    }
+                    let _ = tx.send((addr, r));
+                };
+                match req {
+                    // Out of the waiting set: the setup is bounded by the permits.
+                    Ok(req) => {
+                        tokio::spawn(async move {
+                            let r = cm.answer(s, req).await;
+                            report(&cm, r);
+                        });
+                    }
+                    Err(e) => report(&cm, Err(e)),
+                }
             });
+            awaiting.push_back(waiting.abort_handle());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A watch of 1 s turns with a deadline of 3 s, from t = 0.
+    fn hearing() -> Hearing {
+        Hearing::new(0, Duration::from_secs(1), Duration::from_secs(3))
+    }
+
+    #[test]
+    fn a_peer_heard_of_nothing_past_the_deadline_is_silent() {
+        let mut h = hearing();
+        for t in 1..=3 {
+            assert_eq!(h.turn(t * 1000 * MS), None, "at {t} s");
+        }
+        assert_eq!(h.turn(3001 * MS), Some(Duration::from_millis(3001)));
+    }
+
+    #[test]
+    fn keepalives_or_traffic_keep_a_peer_alive() {
+        let mut h = hearing();
+        h.heard(2500 * MS);
+        assert_eq!(h.turn(4000 * MS), None);
+        assert_eq!(h.turn(5000 * MS), None);
+        // Its traffic is as good as its keepalive.
+        h.heard(5400 * MS);
+        assert_eq!(h.turn(6000 * MS), None);
+        assert_eq!(h.turn(7000 * MS), None);
+        assert_eq!(h.turn(8000 * MS), None);
+        assert_eq!(h.turn(8401 * MS), Some(Duration::from_millis(3001)));
+        // An older proof does not move the last one back.
+        h.heard(100 * MS);
+        assert_eq!(h.turn(8500 * MS), Some(Duration::from_millis(3100)));
+    }
+
+    #[test]
+    fn time_this_side_did_not_run_is_not_the_peers_silence() {
+        let mut h = hearing();
+        assert_eq!(h.turn(1000 * MS), None);
+        // Starved for 5 s: the next turn comes 5 s late and judges nothing yet.
+        assert_eq!(h.turn(6000 * MS), None);
+        assert_eq!(h.turn(7000 * MS), None);
+        assert_eq!(
+            h.turn(9000 * MS),
+            None,
+            "a turn 2 periods late still counts as awake"
+        );
+        assert_eq!(h.turn(9001 * MS), Some(Duration::from_millis(3001)));
+    }
+
+    #[test]
+    fn a_turn_just_over_two_periods_late_restarts_the_count() {
+        let mut h = hearing();
+        assert_eq!(h.turn(2000 * MS), None);
+        assert_eq!(h.turn(4001 * MS), None);
+        for t in [5001, 6001, 7001] {
+            assert_eq!(h.turn(t * MS), None, "at {t} ms");
+        }
+        assert_eq!(h.turn(7002 * MS), Some(Duration::from_millis(3001)));
     }
 }
