@@ -395,9 +395,15 @@ fn timeouts_are_retried_with_backoff_then_given_up() {
 }
 
 /// With one setup allowed at a time, a REQ that comes while another setup is under way gets
-/// REJ busy, which the active side treats as transient.
+/// REJ busy, which the active side treats as transient. A stream that has sent no REQ holds
+/// no setup: it does not make anyone busy.
 #[test]
 fn setups_past_the_cap_are_refused_busy() {
+    use ipoib_ctl::{
+        cm::wire::{Hello, MSG_LEN, Msg},
+        verbs::RcEndpoint,
+    };
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let Some(dev) = device("setups_past_the_cap_are_refused_busy") else {
         return;
     };
@@ -412,10 +418,37 @@ fn setups_past_the_cap_are_refused_busy() {
     };
     let (_a, cma, _b, cmb) = two_nodes(&dev, once, cap1);
     rt().block_on(async {
-        let (addr_b, _in_b) = listen(&cmb).await;
-        // A client that connects and says nothing holds B's only setup slot.
-        let _holder = tokio::net::TcpStream::connect(addr_b).await.unwrap();
+        let (addr_b, mut in_b) = listen(&cmb).await;
+        // A client that connects and says nothing holds nothing: A's setup goes through.
+        let silent = tokio::net::TcpStream::connect(addr_b).await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
+        let c = cma
+            .connect(addr_b, cmb.hwaddr())
+            .await
+            .expect("a silent stream made B busy");
+        let (_, accepted) = in_b.recv().await.expect("B's side");
+        drop((c, accepted, silent));
+        // A client that sends a valid REQ and never the RTU holds B's only setup slot (for
+        // B's step timeout).
+        let mut holder = tokio::net::TcpStream::connect(addr_b).await.unwrap();
+        let req = Msg::Req(Hello {
+            ud_qpn: 0x30,
+            recv_mtu: 65524,
+            rc: RcEndpoint {
+                qpn: 0x1234,
+                psn: 1,
+                lid: 0,
+                gid: cmb.hwaddr().gid,
+                mtu: 3,
+            },
+        });
+        holder.write_all(&req.encode()).await.unwrap();
+        let mut rep = [0u8; MSG_LEN];
+        holder.read_exact(&mut rep).await.unwrap();
+        assert!(
+            matches!(Msg::decode(&rep), Ok(Msg::Rep(_))),
+            "the holder's REQ was not answered with REP"
+        );
         let r = cma.connect(addr_b, cmb.hwaddr()).await;
         match r {
             Err(e @ SetupError::Rejected(RejectReason::Busy)) => assert!(e.transient()),
