@@ -40,6 +40,7 @@ use crate::{
         Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Fault,
         HOUSEKEEPING, RawFdRef, Route,
     },
+    ledger::{Ledger, Share},
     maps::{DatapathMaps, MapsError},
     netdev::{self, NetdevError, Resolve},
     plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
@@ -59,12 +60,23 @@ pub enum CmError {
     Engine(#[from] EngineError),
     #[error(transparent)]
     Maps(#[from] MapsError),
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] io::Error),
+    /// The handshake port is taken on this interface.
+    #[error(
+        "the handshake port (TCP {port}) is taken on {iface}: another `ipoib-ctl attach {iface}`, \
+         or another program listening on it for every interface (`ss -ltnp 'sport = {port}'`)"
+    )]
+    PortTaken { iface: String, port: u16 },
     #[error("RDMA device {0} not found")]
     NoDevice(String),
     #[error("the memory plan for {device} allows no connected mode: {why}")]
     NoPlan { device: String, why: String },
+    #[error(
+        "memory-budget {} is more than the node's whole budget, {} (`--node-memory-budget`)",
+        crate::policy::format_size(*asked), crate::policy::format_size(*node)
+    )]
+    OverNodeBudget { asked: u64, node: u64 },
     #[error(transparent)]
     Netdev(#[from] NetdevError),
     #[error("the engine stopped: {0}")]
@@ -82,8 +94,10 @@ pub struct CmOptions {
     pub resolve: Resolve,
     /// The handshake's TCP port (policy `ctl-port`).
     pub ctl_port: u16,
-    /// Policy `memory-budget`, or None for the automatic rule.
+    /// Policy `memory-budget` (this interface's part of the node's budget at most), or None.
     pub memory_budget: Option<u64>,
+    /// `--node-memory-budget`, or None for the automatic rule (1/64 of system memory).
+    pub node_budget: Option<u64>,
     /// Whether the HCA's SRQ may be used (`attach --srq`).
     pub srq: SrqChoice,
     /// Registered send buffers, shared by every connection.
@@ -174,6 +188,9 @@ pub struct CmStatus {
     pub connections: usize,
     pub established: u64,
     pub failed: u64,
+    /// The node's budget, and what each attached interface holds of it.
+    #[serde(default)]
+    pub node: NodeBudget,
     /// Incoming handshake streams waiting for their REQ now, and those dropped (oldest
     /// first) because too many waited.
     #[serde(default)]
@@ -265,28 +282,59 @@ impl Hca {
     }
 }
 
-/// Opens the device and builds what its plan says. The receive model follows the HCA: an
-/// SRQ where it has one (and `--srq off` did not turn it down), rings per connection
-/// otherwise, and also where making the SRQ fails.
-fn open_hca(opts: &CmOptions) -> Result<Hca, CmError> {
+/// Opens the device, joins the node's budget (its ledger) and builds what the plan says
+/// ([`plan::plan_for_node`]). The receive model follows the HCA: an SRQ where it has one (and
+/// `--srq off` did not turn it down), rings per connection otherwise, and also where making
+/// the SRQ fails or the node's budget has no room left for one. An SRQ's memory is taken from
+/// the node's budget at once; rings take theirs one at a time, as connections come, so any
+/// interface may use what the others do not.
+fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
     let dev = Device::open(&opts.device).map_err(|e| match e {
         VerbsError::NoDevices => CmError::NoDevice(opts.device.clone()),
         e => e.into(),
     })?;
     let limits = dev.limits()?;
     let mem = verbs::system_memory();
-    let p = plan::plan_with(&limits, mem, opts.memory_budget, opts.srq);
-    match build(&dev, opts, &p) {
-        Err(CmError::Verbs(e)) if p.kind == PlanKind::Srq => {
+    let node = opts.node_budget.unwrap_or(plan::budget(mem, None).0);
+    let ledger = Arc::new(Ledger::join(iface, node)?);
+    let (node, shares) = ledger.view()?;
+    if let Some(asked) = opts.memory_budget.filter(|b| *b > node) {
+        return Err(CmError::OverNodeBudget { asked, node });
+    }
+    let others: u64 = shares
+        .iter()
+        .filter(|s| s.iface != iface)
+        .map(|s| s.bytes)
+        .sum();
+    let free = node.saturating_sub(others);
+    let p = plan::plan_for_node(&limits, mem, node, free, opts.memory_budget, opts.srq);
+    if p.kind == PlanKind::Srq {
+        if ledger.try_take(p.memory_bytes)? {
+            match build(&dev, opts, &p) {
+                Err(CmError::Verbs(e)) => {
+                    ledger.give_back(p.memory_bytes)?;
+                    tracing::warn!(
+                        "{}: the SRQ could not be made ({e}): a receive ring per connection \
+                         instead",
+                        opts.device
+                    );
+                }
+                r => return Ok((r?, ledger)),
+            }
+        } else {
             tracing::warn!(
-                "{}: the SRQ could not be made ({e}): a receive ring per connection instead",
+                "{}: another interface took the node's budget first: a receive ring per \
+                 connection instead",
                 opts.device
             );
-            let p = plan::plan_with(&limits, mem, opts.memory_budget, SrqChoice::Off);
-            build(&dev, opts, &p)
         }
-        r => r,
     }
+    let p = plan::rings_for_node(&limits, mem, node, opts.memory_budget);
+    let hca = build(&dev, opts, &p)?;
+    if let Receive::Rings(pool) = &hca.res.recv {
+        pool.share_budget(ledger.clone());
+    }
+    Ok((hca, ledger))
 }
 
 /// The resources of plan `p` on `dev`.
@@ -381,6 +429,13 @@ fn reset_peers(maps: &mut DatapathMaps) -> Result<(), CmError> {
     Ok(())
 }
 
+/// The node's receive-memory budget in the status: its size and each interface's share.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, Default)]
+pub struct NodeBudget {
+    pub budget_bytes: u64,
+    pub shares: Vec<Share>,
+}
+
 /// A connection in the engine's routes, watched by its own task.
 struct Watched {
     /// Ends the watch (and the connection).
@@ -459,6 +514,8 @@ pub struct Manager {
     plan_max: usize,
     /// The plan's receive memory budget.
     budget_bytes: u64,
+    /// This interface's share of the node's budget.
+    ledger: Arc<Ledger>,
     cm: Arc<Cm>,
     /// The handshake listener's task.
     serve: JoinHandle<io::Result<()>>,
@@ -493,10 +550,9 @@ impl Manager {
             opts.device,
             opts.port
         );
-        let hca = open_hca(&opts)?;
+        let (hca, ledger) = open_hca(iface, &opts)?;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
-        let listener =
-            tokio::net::TcpListener::bind(SocketAddr::from(([0u8; 16], opts.ctl_port))).await?;
+        let listener = listen(iface, opts.ctl_port)?;
         let (tun, tun_ifindex) = open_tun(iface)?;
         let engine = Engine::new(tun, hca.res.clone(), EngineConfig::default())?;
         let device_events = watch_device(&hca.dev)?;
@@ -504,11 +560,11 @@ impl Manager {
         reset_peers(&mut maps)?;
         // Nothing fails past this point: what runs from here is undone by `shutdown`.
         let gso_before = lower_gso(iface)?;
-        let cm = Arc::new(Cm::new(
-            hca.res.clone(),
-            opts.ud_qpn,
-            SetupConfig::default(),
-        ));
+        let setup = SetupConfig {
+            device: Some(iface.to_string()),
+            ..SetupConfig::default()
+        };
+        let cm = Arc::new(Cm::new(hca.res.clone(), opts.ud_qpn, setup));
         let core = new_core(iface, &opts, &hca, &cm);
         let (acc_tx, accepted) = mpsc::unbounded_channel();
         let serve = tokio::spawn(cm.clone().serve(listener, acc_tx));
@@ -525,6 +581,7 @@ impl Manager {
             srq_depth: hca.srq_depth(),
             plan_max: hca.max_connections(),
             budget_bytes: hca.plan.budget_bytes,
+            ledger,
             dev: hca.dev,
             res: hca.res,
             cm,
@@ -888,6 +945,16 @@ impl Manager {
             device: self.opts.device.clone(),
             tun: self.tun.clone(),
             receive: ReceiveStatus::of(&self.res.recv, self.budget_bytes),
+            node: self.ledger.view().map_or_else(
+                |e| {
+                    tracing::debug!("the node budget's ledger: {e}");
+                    NodeBudget::default()
+                },
+                |(budget_bytes, shares)| NodeBudget {
+                    budget_bytes,
+                    shares,
+                },
+            ),
             srq_depth: self.srq_depth,
             srq_low_events: self.core.srq_low_events(),
             max_connections: self.core.max_connections(),
@@ -957,6 +1024,23 @@ fn new_core(iface: &str, opts: &CmOptions, hca: &Hca, cm: &Cm) -> Core {
         }
     }
     core
+}
+
+/// The handshake listener of `iface`: `[::]:port` (IPv4 too) bound to the interface
+/// (SO_BINDTODEVICE), so every attached interface of a node has its own on the same port, and
+/// a REQ is taken by the interface it came through, whose HCA port serves it.
+pub fn listen(iface: &str, port: u16) -> Result<tokio::net::TcpListener, CmError> {
+    let s = tokio::net::TcpSocket::new_v6()?;
+    s.set_reuseaddr(true)?;
+    s.bind_device(Some(iface.as_bytes()))?;
+    match s.bind(SocketAddr::from(([0u8; 16], port))) {
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Err(CmError::PortTaken {
+            iface: iface.to_string(),
+            port,
+        }),
+        r => r.map_err(CmError::from),
+    }?;
+    Ok(s.listen(1024)?)
 }
 
 /// The device's async fd, watched by the runtime.

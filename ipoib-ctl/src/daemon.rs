@@ -21,9 +21,10 @@ pub enum DaemonError {
     Attach(#[from] AttachError),
     #[error(transparent)]
     Maps(#[from] MapsError),
-    #[error("starting connected mode: {0}")]
+    // Each says only its own part: the cause follows in the chain (`{:#}`).
+    #[error("starting connected mode")]
     StartCm(#[source] CmError),
-    #[error("connected mode: {0}")]
+    #[error("connected mode")]
     Cm(#[from] CmError),
     #[error("the control loop's runtime: {0}")]
     Io(#[from] std::io::Error),

@@ -139,6 +139,11 @@ struct CmArgs {
     /// misbehaves).
     #[arg(long, value_enum, default_value_t = SrqChoice::Auto, value_name = "WHEN")]
     srq: SrqChoice,
+    /// The node's receive memory for connected mode, shared by every attached interface of
+    /// this network namespace (default: 1/64 of system memory, 64 MiB to 2 GiB; the smallest
+    /// any running attach was given holds). 4MiB..1TiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    node_memory_budget: Option<u64>,
     /// No connected mode: the fast path only, every peer on UD.
     #[arg(long, conflicts_with = "cm_device")]
     no_cm: bool,
@@ -152,6 +157,13 @@ struct CmArgs {
     /// /run/ipoib-ctl/IFACE.fault), to prove the control loop catches it.
     #[arg(long, hide = true)]
     test_faults: bool,
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    use ipoib_ctl::policy::{MEMORY_BUDGET_MAX, MEMORY_BUDGET_MIN};
+    ipoib_ctl::policy::parse_size(s)
+        .filter(|b| (MEMORY_BUDGET_MIN..=MEMORY_BUDGET_MAX).contains(b))
+        .ok_or_else(|| format!("`{s}`: a size from 4MiB to 1TiB (e.g. 512MiB)"))
 }
 
 fn parse_secs(s: &str) -> Result<f64, String> {
@@ -212,6 +224,7 @@ fn cm_options(
         resolve,
         ctl_port,
         memory_budget: att.state.memory_budget,
+        node_budget: args.node_memory_budget,
         srq: args.srq,
         send_slots: ipoib_ctl::plan::SEND_SLOTS,
         tick: Duration::from_secs(1),
@@ -402,6 +415,24 @@ fn cmd_status(iface: Option<String>, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// The node's budget and what each running attach holds of it.
+fn print_node_budget(node: u64, source: &str, shares: &[ipoib_ctl::ledger::Share]) {
+    use ipoib_ctl::policy::format_size;
+    let held: Vec<String> = shares
+        .iter()
+        .map(|s| format!("{} {}", s.iface, format_size(s.bytes)))
+        .collect();
+    println!(
+        "node budget: {} ({source}), shared by the node's attached interfaces; held now: {}",
+        format_size(node),
+        if held.is_empty() {
+            "nothing".to_string()
+        } else {
+            held.join(", ")
+        }
+    );
+}
+
 fn caps(json: bool, memory_budget: Option<&str>, srq: SrqChoice) -> Result<()> {
     use ipoib_ctl::{plan, verbs};
     let budget = match memory_budget {
@@ -414,21 +445,42 @@ fn caps(json: bool, memory_budget: Option<&str>, srq: SrqChoice) -> Result<()> {
     };
     let devices = verbs::discover()?;
     let mem = verbs::system_memory();
+    // The node's budget, shared by its attached interfaces: the automatic rule's, and what
+    // each running attach holds of it now. The plan is what one more attach would make.
+    let (node, node_source) = plan::budget(mem, None);
+    let shares = ipoib_ctl::ledger::shares_now().unwrap_or_default();
+    let held: u64 = shares.iter().map(|s| s.bytes).sum();
+    let (node, node_source) = match shares.iter().map(|s| s.node_budget).min() {
+        Some(set) if set < node => (set, "a running attach's --node-memory-budget".to_string()),
+        _ => (node, node_source),
+    };
+    let free = node.saturating_sub(held);
     let planned: Vec<_> = devices
         .iter()
-        .map(|d| (d, plan::plan_with(&d.limits(), mem, budget, srq)))
+        .map(|d| {
+            let p = match budget {
+                Some(b) => plan::plan_with(&d.limits(), mem, Some(b), srq),
+                None => plan::plan_for_node(&d.limits(), mem, node, free, None, srq),
+            };
+            (d, p)
+        })
         .collect();
     if json {
         let v: Vec<_> = planned
             .iter()
             .map(|(d, p)| serde_json::json!({ "device": d, "plan": p }))
             .collect();
-        return print_json(&serde_json::json!({ "system_memory": mem, "devices": v }));
+        return print_json(&serde_json::json!({
+            "system_memory": mem,
+            "devices": v,
+            "node_budget": { "budget_bytes": node, "source": node_source, "shares": shares },
+        }));
     }
     for (d, p) in &planned {
         print_device(d);
         print_plan(p);
     }
+    print_node_budget(node, &node_source, &shares);
     Ok(())
 }
 

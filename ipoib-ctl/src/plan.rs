@@ -101,6 +101,40 @@ pub fn plan_with(
     }
 }
 
+/// The plan of one interface on a node whose budget (`node`, shared by its interfaces) has
+/// `free` bytes not held by the others; `policy_budget` is the interface's `memory-budget`.
+/// An SRQ is held from its start: it is planned within what is free and, without a
+/// `memory-budget`, at most half the node's budget, so that a second rail finds room. Where
+/// that holds no SRQ (or the HCA has none, or `srq` is off), rings per connection, up to the
+/// interface's budget: they take from the node's budget one at a time, as connections come.
+pub fn plan_for_node(
+    hca: &HcaLimits,
+    system_memory: u64,
+    node: u64,
+    free: u64,
+    policy_budget: Option<u64>,
+    srq: SrqChoice,
+) -> Plan {
+    let srq_budget = policy_budget.unwrap_or(node / 2).min(free);
+    let p = plan_with(hca, system_memory, Some(srq_budget), srq);
+    if p.kind == PlanKind::Srq {
+        return p;
+    }
+    rings_for_node(hca, system_memory, node, policy_budget)
+}
+
+/// Rings per connection on a node whose budget is `node`, up to the interface's
+/// `policy_budget`.
+pub fn rings_for_node(
+    hca: &HcaLimits,
+    system_memory: u64,
+    node: u64,
+    policy_budget: Option<u64>,
+) -> Plan {
+    let budget = policy_budget.unwrap_or(node).min(node);
+    plan_with(hca, system_memory, Some(budget), SrqChoice::Off)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PlanKind {
@@ -280,6 +314,49 @@ mod tests {
             max_srq_sge: 0,
             ..rxe()
         }
+    }
+
+    /// The node's budget shared by its interfaces: an SRQ takes at most half of it (or the
+    /// interface's `memory-budget`), never more than is free; with no room for an SRQ, rings up
+    /// to the interface's budget.
+    #[test]
+    fn plans_on_a_shared_node_budget() {
+        let hca = HcaLimits {
+            max_qp: 1 << 16,
+            max_qp_wr: 1 << 14,
+            max_srq: 1 << 10,
+            max_srq_wr: 1 << 14,
+            max_srq_sge: 16,
+            max_cqe: 1 << 22,
+        };
+        let node = 384 * MIB;
+        let first = plan_for_node(&hca, 24 * GIB, node, node, None, SrqChoice::Auto);
+        assert_eq!((first.kind, first.memory_bytes), (PlanKind::Srq, 128 * MIB));
+        let second = plan_for_node(
+            &hca,
+            24 * GIB,
+            node,
+            node - 128 * MIB,
+            None,
+            SrqChoice::Auto,
+        );
+        assert_eq!(
+            (second.kind, second.memory_bytes),
+            (PlanKind::Srq, 128 * MIB)
+        );
+        // Too little free for the smallest SRQ: rings, as many as the node's budget holds.
+        let third = plan_for_node(&hca, 24 * GIB, node, 2 * MIB, None, SrqChoice::Auto);
+        assert_eq!(third.kind, PlanKind::PerConnection);
+        assert_eq!(third.budget_bytes, node);
+        // A memory-budget replaces the half, within what is free.
+        let set = plan_for_node(&hca, 24 * GIB, node, node, Some(16 * MIB), SrqChoice::Auto);
+        assert_eq!((set.kind, set.memory_bytes), (PlanKind::Srq, 16 * MIB));
+        let off = plan_for_node(&hca, 24 * GIB, node, node, Some(16 * MIB), SrqChoice::Off);
+        assert_eq!((off.kind, off.max_cm_peers), (PlanKind::PerConnection, 4));
+        assert_eq!(
+            rings_for_node(&hca, 24 * GIB, node, Some(GIB)).budget_bytes,
+            node
+        );
     }
 
     #[test]

@@ -350,6 +350,18 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
         human_bytes(r.registered_bytes),
         human_bytes(r.budget_bytes)
     );
+    let shares: Vec<String> = cm
+        .node
+        .shares
+        .iter()
+        .map(|s| format!("{} {}", s.iface, human_bytes(s.bytes)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "    node budget: {}, held: {}",
+        human_bytes(cm.node.budget_bytes),
+        shares.join(", ")
+    );
     let _ = writeln!(
         out,
         "    handshake: {} streams waiting for a REQ, {} dropped unanswered; {} tasks",

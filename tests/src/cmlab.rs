@@ -239,9 +239,13 @@ pub fn rxe_device() -> Option<String> {
     let caps = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
     if caps.status.success() {
         let v: serde_json::Value = serde_json::from_slice(&caps.stdout).ok()?;
-        return v["devices"][0]["device"]["name"]
-            .as_str()
-            .map(str::to_string);
+        let names: Vec<&str> = v["devices"]
+            .as_array()?
+            .iter()
+            .filter_map(|d| d["device"]["name"].as_str())
+            .collect();
+        let first = names.iter().find(|n| **n == "rxe0").or(names.first());
+        return first.map(|n| n.to_string());
     }
     if !sh(&["modprobe", "rdma_rxe"]).status.success() {
         return None;
@@ -249,11 +253,58 @@ pub fn rxe_device() -> Option<String> {
     let _ = sh(&[
         "ip", "link", "add", "rxev0", "type", "veth", "peer", "name", "rxev1",
     ]);
-    sh(&["ip", "link", "set", "rxev0", "up"]);
+    // A veth has carrier only with both ends up.
     sh(&["ip", "link", "set", "rxev1", "up"]);
-    let out = sh(&[
-        "rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "rxev0",
-    ]);
+    make_rxe("rxe0", "rxev0", "10.78.0.1/24");
+    Some("rxe0".into())
+}
+
+/// A second rxe device, `rxe1`, on the other end of [`rxe_device`]'s veth pair (which must
+/// exist: make it with [`device`] first), with its own address (10.79.0.1): a second rail's
+/// HCA. Deleted when dropped, once nothing holds it: make it before the lab that uses it, so
+/// that it is dropped after the lab (and [`rxe_device`] picks rxe0 where it stays).
+pub struct SecondRxe(pub String);
+
+impl SecondRxe {
+    pub fn make() -> Self {
+        make_rxe("rxe1", "rxev1", "10.79.0.1/24");
+        SecondRxe("rxe1".into())
+    }
+}
+
+impl Drop for SecondRxe {
+    /// Deletes the device once nothing holds it: deleting an rxe device that still has QPs
+    /// or regions blocks in the kernel (seen: `rdma` hung for minutes when a test's panic
+    /// dropped this before its lab). Left in place, with a warning, if something still does
+    /// after 10 s.
+    fn drop(&mut self) {
+        if !std::path::Path::new(&format!("/sys/class/infiniband/{}", self.0)).exists() {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let res = rdma_resources(&self.0);
+            let held = ["qp", "cq", "mr", "pd", "srq"]
+                .iter()
+                .any(|k| res.get(*k).copied().unwrap_or(0) > 0);
+            if !held {
+                let _ = sh(&["rdma", "link", "delete", &self.0]);
+                return;
+            }
+            if Instant::now() > deadline {
+                eprintln!("{} still holds resources ({res:?}): not deleted", self.0);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Makes rxe device `name` on `netdev` (up) and waits until its port is active and has a
+/// GID from `cidr`, the address it gives the netdev.
+fn make_rxe(name: &str, netdev: &str, cidr: &str) {
+    sh(&["ip", "link", "set", netdev, "up"]);
+    let out = sh(&["rdma", "link", "add", name, "type", "rxe", "netdev", netdev]);
     assert!(
         out.status.success() || String::from_utf8_lossy(&out.stderr).contains("exist"),
         "rdma link add: {}",
@@ -261,7 +312,7 @@ pub fn rxe_device() -> Option<String> {
     );
     // The port goes active once the netdev is up.
     for _ in 0..50 {
-        let d = sh(&["ibv_devinfo", "-d", "rxe0"]);
+        let d = sh(&["ibv_devinfo", "-d", name]);
         if String::from_utf8_lossy(&d.stdout).contains("PORT_ACTIVE") {
             break;
         }
@@ -269,10 +320,10 @@ pub fn rxe_device() -> Option<String> {
     }
     // RoCE GIDs come from the netdev's IP addresses: make sure it has one, and wait for the
     // GID table to show a GID.
-    let _ = sh(&["ip", "addr", "add", "10.78.0.1/24", "dev", "rxev0"]);
+    let _ = sh(&["ip", "addr", "add", cidr, "dev", netdev]);
     for _ in 0..50 {
         let any = (0..8).any(|i| {
-            std::fs::read_to_string(format!("/sys/class/infiniband/rxe0/ports/1/gids/{i}"))
+            std::fs::read_to_string(format!("/sys/class/infiniband/{name}/ports/1/gids/{i}"))
                 .is_ok_and(|g| g.trim() != "0000:0000:0000:0000:0000:0000:0000:0000")
         });
         if any {
@@ -280,7 +331,6 @@ pub fn rxe_device() -> Option<String> {
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    Some("rxe0".into())
 }
 
 /// Namespace `NAME-b` joined to the root namespace by a veth pair: 10.77.N.1 here,

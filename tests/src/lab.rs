@@ -41,6 +41,8 @@ pub struct Lab {
     pub b: Node,
     /// Nodes past the first two ([`Lab::star`]).
     pub more: Vec<Node>,
+    /// The second rail's interfaces of A and B ([`Lab::second_rail`]): the same namespaces.
+    rails: Vec<Node>,
     /// The bridge joining the nodes of a star, in the initial namespace.
     bridge: Option<String>,
     children: Vec<Child>,
@@ -69,6 +71,11 @@ fn ip(args: &[&str]) -> Result<String> {
 }
 
 impl Node {
+    /// Where [`Lab::attach_node`] writes what this node's `ipoib-ctl attach` logs.
+    pub fn log_path(&self) -> PathBuf {
+        std::env::temp_dir().join(format!("{}.{}.ctl.log", self.ns, self.iface))
+    }
+
     /// A command run inside this node's network namespace (and only that namespace).
     ///
     /// Panics, naming the Debian package, when `program` is not installed: nsenter would
@@ -178,6 +185,7 @@ impl Lab {
             a: node(0),
             b: node(1),
             more: (2..nodes).map(node).collect(),
+            rails: Vec::new(),
             bridge: (nodes > 2).then(|| format!("{tag}br")),
             children: Vec::new(),
         };
@@ -254,6 +262,40 @@ impl Lab {
         [&self.a, &self.b].into_iter().chain(&self.more)
     }
 
+    /// A second link between A and B (two-node labs): a veth pair `TAGa1`-`TAGb1` in their
+    /// namespaces, 10.80.0.1 and .2/24, fd80::1 and ::2/64: a second rail. Its ends, as nodes
+    /// (A's namespace, its second interface; B's), torn down with the lab.
+    pub fn second_rail(&mut self) -> Result<(Node, Node)> {
+        assert!(
+            self.bridge.is_none() && self.rails.is_empty(),
+            "a second rail joins the two nodes of a two-node lab, once"
+        );
+        let rail = |n: &Node, i: u8| Node {
+            ns: n.ns.clone(),
+            iface: second_rail_iface(&n.iface),
+            cm_iface: None,
+            ip4: Ipv4Addr::new(10, 80, 0, i),
+            ip6: format!("fd80::{i}"),
+        };
+        let (a, b) = (rail(&self.a, 1), rail(&self.b, 2));
+        ip(&[
+            "link", "add", &a.iface, "type", "veth", "peer", "name", &b.iface,
+        ])?;
+        for n in [&a, &b] {
+            ip(&["link", "set", &n.iface, "netns", &n.ns])?;
+            let cidr4 = format!("{}/24", n.ip4);
+            let cidr6 = format!("{}/64", n.ip6);
+            must(n.cmd("ip").args(["addr", "add", &cidr4, "dev", &n.iface]))?;
+            must(
+                n.cmd("ip")
+                    .args(["addr", "add", &cidr6, "dev", &n.iface, "nodad"]),
+            )?;
+            must(n.cmd("ip").args(["link", "set", &n.iface, "up"]))?;
+        }
+        self.rails = vec![a.clone(), b.clone()];
+        Ok((a, b))
+    }
+
     /// Starts `ipoib-ctl attach` on a node, waiting until its heartbeat is fresh.
     pub fn attach(&mut self, which: Which, extra: &[&str]) -> Result<u32> {
         let n = self.node(which).clone();
@@ -269,7 +311,7 @@ impl Lab {
                 ctl.display()
             );
         }
-        let log = std::env::temp_dir().join(format!("{}.ctl.log", n.ns));
+        let log = n.log_path();
         let log_file = std::fs::File::create(&log)?;
         let child = n
             .cmd(ctl_path().to_str().expect("utf-8 path"))
@@ -329,7 +371,7 @@ impl Lab {
 
     /// Stops every control loop and removes namespaces, links and pins. Idempotent.
     pub fn teardown(&mut self) {
-        for n in self.nodes() {
+        for n in self.nodes().chain(&self.rails) {
             let _ = n.ctl(&["detach", &n.iface]);
         }
         // detach told each loop to stop: give them a moment to exit cleanly.
@@ -351,14 +393,22 @@ impl Lab {
             if self.bridge.is_some() {
                 let _ = run(Command::new("ip").args(["link", "del", &host_port(n)]));
             }
-            // Pins of an interface that died with its namespace.
-            let _ = std::fs::remove_dir_all(format!("/sys/fs/bpf/ipoib/{}", n.iface));
-            let _ = std::fs::remove_file(format!("/run/ipoib-ctl/{}.json", n.iface));
+            // Pins of an interface that died with its namespace (and of its second rail's,
+            // made or not: a run that died leaves them).
+            for iface in [n.iface.clone(), second_rail_iface(&n.iface)] {
+                let _ = std::fs::remove_dir_all(format!("/sys/fs/bpf/ipoib/{iface}"));
+                let _ = std::fs::remove_file(format!("/run/ipoib-ctl/{iface}.json"));
+            }
         }
         if let Some(br) = &self.bridge {
             let _ = run(Command::new("ip").args(["link", "del", br]));
         }
     }
+}
+
+/// A node's second-rail interface: its lab interface's name (`TAGx0`) ending in 1.
+fn second_rail_iface(iface: &str) -> String {
+    format!("{}1", iface.strip_suffix('0').unwrap_or(iface))
 }
 
 /// What a process is doing, for a failure message: its state, where it waits in the kernel,

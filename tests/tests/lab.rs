@@ -7,7 +7,7 @@ use std::{
 };
 
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
-use ipoib_ctl::maps::DatapathMaps;
+use ipoib_ctl::{connmgr::listen, maps::DatapathMaps};
 use ipoib_tests::lab::{json_u64 as u, *};
 
 fn lab_or_skip(test: &str, tag: &str, cm_path: bool) -> Option<Lab> {
@@ -143,6 +143,45 @@ fn lab_counts_traffic_and_takes_policy_live() {
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert_eq!(out.status.code(), Some(4), "double detach");
+}
+
+/// Each interface has its own handshake listener on the same port (SO_BINDTODEVICE): another
+/// interface of the node binds it too; a second listener on one interface, or one where
+/// another program listens on the port for every interface, gets an error that says so.
+#[test]
+fn handshake_listeners_are_per_interface() {
+    let Some(lab) = lab_or_skip("handshake_listeners_are_per_interface", "hsl", false) else {
+        return;
+    };
+    let iface = lab.a.iface.clone();
+    let (again, taken) = ipoib_tests::cmlab::in_netns(&lab.a.ns, {
+        let iface = iface.clone();
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let port = 4755;
+                let first = listen(&iface, port).expect("the interface's listener");
+                let lo = listen("lo", port).expect("another interface's, on the same port");
+                let again = listen(&iface, port).err().map(|e| e.to_string());
+                drop((first, lo));
+                let everywhere = std::net::TcpListener::bind("[::]:4755").unwrap();
+                let taken = listen(&iface, port).err().map(|e| e.to_string());
+                drop(everywhere);
+                (again, taken)
+            })
+        }
+    });
+    let want = format!("the handshake port (TCP 4755) is taken on {iface}");
+    for (case, err) in [
+        ("a second listener", again),
+        ("a program on every interface", taken),
+    ] {
+        let err = err.unwrap_or_else(|| panic!("{case}: bound anyway"));
+        assert!(err.starts_with(&want), "{case}: {err}");
+    }
 }
 
 #[test]

@@ -117,6 +117,9 @@ pub struct SetupConfig {
     pub max_send_wr: u32,
     /// ACK and RNR timeouts and retries of each connection.
     pub timing: RcTiming,
+    /// The interface our handshake streams go out of (SO_BINDTODEVICE): the one whose HCA
+    /// port the connections use. None: wherever the route says.
+    pub device: Option<String>,
 }
 
 impl Default for SetupConfig {
@@ -130,6 +133,7 @@ impl Default for SetupConfig {
             max_awaiting_req: 64,
             max_send_wr: 64,
             timing: RcTiming::default(),
+            device: None,
         }
     }
 }
@@ -490,7 +494,7 @@ impl Cm {
         // The QP (and its receive ring, without an SRQ) first: past the plan's rings the peer
         // is not bothered.
         let qp = self.new_qp()?;
-        let mut s = match timeout(t, TcpStream::connect(addr)).await {
+        let mut s = match timeout(t, self.tcp_connect(addr)).await {
             Err(_) => return Err(SetupError::Timeout("TCP connect")),
             Ok(r) => r?,
         };
@@ -533,6 +537,18 @@ impl Cm {
             ctl: s,
             _slot: slot,
         })
+    }
+
+    /// A TCP stream to `addr`, out of our interface when we have one.
+    async fn tcp_connect(&self, addr: SocketAddr) -> io::Result<TcpStream> {
+        let s = match addr {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+        };
+        if let Some(d) = &self.cfg.device {
+            s.bind_device(Some(d.as_bytes()))?;
+        }
+        s.connect(addr).await
     }
 
     /// The passive side of one TCP stream. Nothing is allocated until the REQ is valid.

@@ -15,7 +15,7 @@ use std::{
     collections::HashMap,
     io,
     sync::{
-        Arc, Mutex, Weak,
+        Arc, Mutex, OnceLock, Weak,
         atomic::{AtomicU32, AtomicU64, Ordering},
     },
 };
@@ -162,6 +162,14 @@ impl Filled {
     }
 }
 
+/// A budget the rings share with others (the node's other interfaces): each ring takes its
+/// memory from it before it is registered and gives it back once freed.
+pub trait SharedBudget: Send + Sync + std::fmt::Debug {
+    /// Takes `bytes` if they fit; false when they do not.
+    fn take(&self, bytes: u64) -> bool;
+    fn give_back(&self, bytes: u64);
+}
+
 /// Receive rings, one per connection, at most `max` at once.
 pub struct RingPool {
     pd: Arc<ProtectionDomain>,
@@ -180,6 +188,8 @@ pub struct RingPool {
     pub made: AtomicU64,
     pub refused: AtomicU64,
     pub register_ns: AtomicU64,
+    /// The budget shared with the node's other interfaces, when there is one.
+    shared: OnceLock<Arc<dyn SharedBudget>>,
 }
 
 impl RingPool {
@@ -208,7 +218,13 @@ impl RingPool {
             made: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             register_ns: AtomicU64::new(0),
+            shared: OnceLock::new(),
         }))
+    }
+
+    /// From now on each ring also takes its memory from `budget` (set once).
+    pub fn share_budget(&self, budget: Arc<dyn SharedBudget>) {
+        let _ = self.shared.set(budget);
     }
 
     /// Rings that exist now (set up, in use, or being torn down).
@@ -241,7 +257,15 @@ impl RingPool {
         let mut permit = Permit {
             pool: self.clone(),
             bytes: 0,
+            shared: 0,
         };
+        if let Some(b) = self.shared.get() {
+            if !b.take(self.ring_bytes()) {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(VerbsError::RingsExhausted { max: self.max });
+            }
+            permit.shared = self.ring_bytes();
+        }
         let t0 = std::time::Instant::now();
         let region = MemoryRegion::register(&self.pd, self.depth, self.stride)?;
         self.register_ns
@@ -274,6 +298,8 @@ impl RingPool {
 struct Permit {
     pool: Arc<RingPool>,
     bytes: u64,
+    /// Taken from the shared budget.
+    shared: u64,
 }
 
 impl Drop for Permit {
@@ -281,6 +307,9 @@ impl Drop for Permit {
         self.pool
             .registered
             .fetch_sub(self.bytes, Ordering::Relaxed);
+        if let (Some(b), n @ 1..) = (self.pool.shared.get(), self.shared) {
+            b.give_back(n);
+        }
         self.pool.in_use.fetch_sub(1, Ordering::AcqRel);
     }
 }
