@@ -70,7 +70,7 @@ enum Cmd {
         heartbeat-timeout=DURATION     fail-safe deadline, 100ms..1h (default 3s)\n  \
         kernel-cm=on|off               let the kernel's own connected mode carry UD traffic (default off)\n  \
         ctl-port=PORT                  TCP port of the CM handshake, always UD (default 4755)\n  \
-        memory-budget=SIZE             receive memory for CM, 4MiB..1TiB (default: worked out)\n  \
+        memory-budget=SIZE             receive memory for CM, 4MiB..1TiB, within the node's budget (default: worked out)\n  \
         max-connections=N              CM connections at most, below the memory plan (takes effect live)\n  \
         peer=ADDR:ud|cm|auto|block     per-peer override (repeatable; [v6]:pin or v6:pin)\n\n\
         Examples:\n  ipoib-ctl set-policy ib0 mode=datagram\n  \
@@ -371,6 +371,9 @@ fn run(cli: Cli) -> Result<()> {
 
 fn cmd_set_policy(iface: &str, settings: &[String]) -> Result<()> {
     let change = PolicyChange::parse(settings)?;
+    if let Some(b) = change.memory_budget {
+        check_against_node(b)?;
+    }
     let mut maps = attach::open(iface)?;
     let mut state = attach::read_state(iface).ok_or_else(|| AttachError::NotAttached {
         iface: iface.to_string(),
@@ -381,6 +384,27 @@ fn cmd_set_policy(iface: &str, settings: &[String]) -> Result<()> {
         "{iface}: {}",
         status::PolicyView::new(&p, Some(&state)).render()
     );
+    Ok(())
+}
+
+/// An interface's `memory-budget` must fit the node's budget: the smallest a running attach
+/// was given, else the automatic one.
+fn check_against_node(b: u64) -> Result<(), ipoib_ctl::policy::PolicyError> {
+    use ipoib_ctl::policy::{PolicyError, format_size};
+    let auto = ipoib_ctl::plan::budget(ipoib_ctl::verbs::system_memory(), None).0;
+    let shares = ipoib_ctl::ledger::shares_now().unwrap_or_default();
+    let node = shares.iter().map(|s| s.node_budget).fold(auto, u64::min);
+    if b > node {
+        return Err(PolicyError::Invalid {
+            key: "memory-budget",
+            value: format_size(b),
+            why: format!(
+                "more than the node's budget of {}, which its interfaces share \
+                 (`attach --node-memory-budget` sets it)",
+                format_size(node)
+            ),
+        });
+    }
     Ok(())
 }
 

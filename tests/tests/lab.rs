@@ -477,6 +477,15 @@ fn bad_input_is_refused_and_changes_nothing() {
         );
         assert_eq!(snapshot(), before, "{args:?} changed the pinned maps");
     }
+    // A memory-budget within the key's range but over the node's budget (1/64 of this
+    // machine's memory, at most 2 GiB), which its interfaces share.
+    let out = a
+        .ctl(&["set-policy", &a.iface, "memory-budget=1TiB"])
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("more than the node's budget"), "{err}");
+    assert_eq!(snapshot(), before);
     // A mode=datagram with an existing CM pin is a conflict with state, also refused.
     let out = a
         .ctl(&["set-policy", &a.iface, "peer=10.77.0.9:cm"])
