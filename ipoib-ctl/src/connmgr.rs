@@ -70,6 +70,14 @@ pub enum CmError {
     PortTaken { iface: String, port: u16 },
     #[error("RDMA device {0} not found")]
     NoDevice(String),
+    #[error("{device} has {ports} port(s); port {port} is not one of them")]
+    NoPort { device: String, port: u8, ports: u8 },
+    #[error(
+        "partition P_Key 0x{pkey:04x} is not in the P_Key table of {device} port {port} \
+         (`cat /sys/class/infiniband/{device}/ports/{port}/pkeys/*`; the subnet manager \
+         gives the port its partitions)"
+    )]
+    NoPartition { device: String, port: u8, pkey: u16 },
     #[error("the memory plan for {device} allows no connected mode: {why}")]
     NoPlan { device: String, why: String },
     #[error(
@@ -89,6 +97,9 @@ pub struct CmOptions {
     /// The RDMA device and port under the interface.
     pub device: String,
     pub port: u8,
+    /// The interface's partition (its P_Key, from sysfs on IPoIB); None: the default
+    /// partition, at index 0 of the port's P_Key table.
+    pub pkey: Option<u16>,
     /// Our UD QPN (the interface's hardware address; the lab's stand-in).
     pub ud_qpn: u32,
     pub resolve: Resolve,
@@ -289,11 +300,9 @@ impl Hca {
 /// the node's budget at once; rings take theirs one at a time, as connections come, so any
 /// interface may use what the others do not.
 fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
-    let dev = Device::open(&opts.device).map_err(|e| match e {
-        VerbsError::NoDevices => CmError::NoDevice(opts.device.clone()),
-        e => e.into(),
-    })?;
+    let dev = open_device(&opts.device)?;
     let limits = dev.limits()?;
+    let pkey_index = partition_index(&dev, opts.port, opts.pkey)?;
     let mem = verbs::system_memory();
     let node = opts.node_budget.unwrap_or(plan::budget(mem, None).0);
     let ledger = Arc::new(Ledger::join(iface, node)?);
@@ -310,7 +319,7 @@ fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError
     let p = plan::plan_for_node(&limits, mem, node, free, opts.memory_budget, opts.srq);
     if p.kind == PlanKind::Srq {
         if ledger.try_take(p.memory_bytes)? {
-            match build(&dev, opts, &p) {
+            match build(&dev, opts, &p, pkey_index) {
                 Err(CmError::Verbs(e)) => {
                     ledger.give_back(p.memory_bytes)?;
                     tracing::warn!(
@@ -330,15 +339,57 @@ fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError
         }
     }
     let p = plan::rings_for_node(&limits, mem, node, opts.memory_budget);
-    let hca = build(&dev, opts, &p)?;
+    let hca = build(&dev, opts, &p, pkey_index)?;
     if let Receive::Rings(pool) = &hca.res.recv {
         pool.share_budget(ledger.clone());
     }
     Ok((hca, ledger))
 }
 
-/// The resources of plan `p` on `dev`.
-fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan) -> Result<Hca, CmError> {
+fn open_device(name: &str) -> Result<Device, CmError> {
+    Device::open(name).map_err(|e| match e {
+        VerbsError::NoDevices => CmError::NoDevice(name.to_string()),
+        e => e.into(),
+    })
+}
+
+/// Checks, before anything is changed, that connected mode can be set up on `port` of
+/// `device` in partition `pkey`: the device exists, has that port, and the port is in that
+/// partition. The P_Key index found.
+pub fn probe(device: &str, port: u8, pkey: Option<u16>) -> Result<u16, CmError> {
+    partition_index(&open_device(device)?, port, pkey)
+}
+
+/// Where partition `pkey` sits in the P_Key table of `port` (checked to be one of the
+/// device's), as the kernel's IPoIB finds it ([`crate::iblink::pkey_index`]); 0 (the
+/// default partition) where no partition is named.
+fn partition_index(dev: &Device, port: u8, pkey: Option<u16>) -> Result<u16, CmError> {
+    let ports = dev.port_count()?;
+    if !(1..=ports).contains(&port) {
+        return Err(CmError::NoPort {
+            device: dev.name().into(),
+            port,
+            ports,
+        });
+    }
+    let Some(pkey) = pkey else {
+        return Ok(0);
+    };
+    let table = dev.pkey_table(port)?;
+    let index = crate::iblink::pkey_index(&table, pkey).ok_or_else(|| CmError::NoPartition {
+        device: dev.name().into(),
+        port,
+        pkey,
+    })?;
+    tracing::info!(
+        "{}: partition 0x{pkey:04x} at P_Key index {index} of port {port} (table {table:04x?})",
+        dev.name()
+    );
+    Ok(index)
+}
+
+/// The resources of plan `p` on `dev`, QPs in the partition at `pkey_index`.
+fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan, pkey_index: u16) -> Result<Hca, CmError> {
     let (depth, k) = (
         p.ring as u32,
         p.max_cm_peers.min(u64::from(u32::MAX)) as u32,
@@ -357,6 +408,7 @@ fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan) -> Result<Hca, CmError>
     let res = Resources::create(
         dev,
         opts.port,
+        pkey_index,
         model,
         buffer,
         opts.send_slots,
@@ -615,13 +667,14 @@ impl Manager {
             ),
         };
         tracing::info!(
-            "CM on {}: {} port {} ({} GID index {}), TUN {}, {receive}, at most {} \
-             connections, handshake on TCP {}",
+            "CM on {}: {} port {} ({} GID index {}, P_Key index {}), TUN {}, {receive}, at \
+             most {} connections, handshake on TCP {}",
             self.iface,
             self.opts.device,
             self.opts.port,
             if port.ethernet { "RoCE" } else { "IB" },
             port.gid_index,
+            port.pkey_index,
             self.tun,
             self.core.max_connections(),
             self.opts.ctl_port

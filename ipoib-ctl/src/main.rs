@@ -1,12 +1,19 @@
 //! `ipoib-ctl`: attach the IPoIB hybrid datapath to an interface, steer it, inspect it.
 
-use std::{fs::File, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode, time::Duration};
+use std::{
+    fs::File,
+    os::fd::AsRawFd as _,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
 use ipoib_ctl::{
     attach::{self, AttachError},
     connmgr, daemon,
+    iblink::IbLink,
     netdev::Netdev,
     plan::SrqChoice,
     policy::PolicyChange,
@@ -126,9 +133,13 @@ struct CmArgs {
     /// interfaces connected mode needs this).
     #[arg(long, value_name = "DEV")]
     cm_device: Option<String>,
-    /// Port of the RDMA device.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    cm_port: u8,
+    /// Port of the RDMA device (default: an IPoIB interface's own, from sysfs; 1 elsewhere).
+    #[arg(long, value_name = "N")]
+    cm_port: Option<u8>,
+    /// P_Key of the partition the RC connections are set up in (default: an IPoIB
+    /// interface's own, e.g. 0x8001 on ib0.8001; the default partition elsewhere).
+    #[arg(long, value_name = "PKEY", value_parser = parse_pkey)]
+    cm_pkey: Option<u16>,
     /// Our UD QPN (default: from the IPoIB hardware address; on Ethernet, the lab's stand-in:
     /// 0x100 + the last byte of the interface's IPv4 address).
     #[arg(long, value_name = "QPN", value_parser = parse_qpn)]
@@ -174,6 +185,20 @@ fn parse_secs(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_pkey(s: &str) -> Result<u16, String> {
+    let v = match s.strip_prefix("0x") {
+        Some(h) => u16::from_str_radix(h, 16),
+        None => s.parse(),
+    }
+    .map_err(|e| format!("`{s}`: {e}"))?;
+    if v & 0x7fff == 0 {
+        return Err(format!(
+            "`{s}`: a P_Key is 0x0001..0xffff, not 0x0000 or 0x8000"
+        ));
+    }
+    Ok(v)
+}
+
 fn parse_qpn(s: &str) -> Result<u32, String> {
     let v = match s.strip_prefix("0x") {
         Some(h) => u32::from_str_radix(h, 16),
@@ -186,18 +211,43 @@ fn parse_qpn(s: &str) -> Result<u32, String> {
     Ok(v)
 }
 
+/// Where an IPoIB interface sits (HCA, port, partition), checked against what the operator
+/// gave; None on other interfaces. Read before anything changes, so bad input changes
+/// nothing.
+fn ib_link(iface: &str, dev: &Netdev, args: &CmArgs) -> Result<Option<IbLink>> {
+    if args.no_cm || !dev.is_ipoib() {
+        return Ok(None);
+    }
+    let Some(link) = ipoib_ctl::iblink::read(Path::new("/sys"), iface)? else {
+        return Ok(None);
+    };
+    link.check(iface, args.cm_device.as_deref(), args.cm_port, args.cm_pkey)?;
+    tracing::info!(
+        "{iface}: {} port {}, partition 0x{:04x}{}",
+        link.device,
+        link.port,
+        link.pkey,
+        link.parent
+            .as_deref()
+            .map(|p| format!(" (a P_Key child of {p})"))
+            .unwrap_or_default()
+    );
+    Ok(Some(link))
+}
+
 /// What connected mode runs with on `iface`; None (said why) when it cannot run.
 fn cm_options(
     iface: &str,
     dev: &Netdev,
     args: &CmArgs,
+    link: Option<&IbLink>,
     att: &attach::Attached,
 ) -> Result<Option<connmgr::CmOptions>> {
     use ipoib_ctl::{connmgr::CmOptions, netdev::Resolve};
     if args.no_cm {
         return Ok(None);
     }
-    let Some(device) = cm_device(iface, dev, args) else {
+    let Some(device) = cm_device(args, link) else {
         tracing::info!(
             "no RDMA device under {iface}: every peer on UD (--cm-device DEV to use one)"
         );
@@ -219,7 +269,8 @@ fn cm_options(
         .unwrap_or(ipoib_common::DEFAULT_CTL_PORT);
     Ok(Some(CmOptions {
         device,
-        port: args.cm_port,
+        port: cm_port(args, link),
+        pkey: cm_pkey(args, link),
         ud_qpn,
         resolve,
         ctl_port,
@@ -238,15 +289,20 @@ fn cm_options(
     }))
 }
 
-/// The RDMA device for connected mode: `--cm-device`, or the HCA under an IPoIB interface.
-fn cm_device(iface: &str, dev: &Netdev, args: &CmArgs) -> Option<String> {
-    if let Some(d) = &args.cm_device {
-        return Some(d.clone());
-    }
-    if !dev.is_ipoib() {
-        return None;
-    }
-    ipoib_ctl::netdev::hca_under(iface)
+/// The HCA port for connected mode: an IPoIB interface's own, else `--cm-port`, else 1.
+fn cm_port(args: &CmArgs, link: Option<&IbLink>) -> u8 {
+    link.map(|l| l.port).or(args.cm_port).unwrap_or(1)
+}
+
+/// The partition: an IPoIB interface's own, else `--cm-pkey`, else the default one.
+fn cm_pkey(args: &CmArgs, link: Option<&IbLink>) -> Option<u16> {
+    link.map(|l| l.pkey).or(args.cm_pkey)
+}
+
+/// The RDMA device for connected mode: the HCA an IPoIB interface is on, else `--cm-device`.
+fn cm_device(args: &CmArgs, link: Option<&IbLink>) -> Option<String> {
+    link.map(|l| l.device.clone())
+        .or_else(|| args.cm_device.clone())
 }
 
 /// Our own UD QPN: in the IPoIB hardware address, or the lab's stand-in on Ethernet.
@@ -314,9 +370,18 @@ fn control_loop(
     change: Option<&PolicyChange>,
     cm_args: &CmArgs,
 ) -> Result<()> {
+    let link = ib_link(iface, dev, cm_args)?;
+    if let Some(device) = &cm_args.cm_device {
+        // Required: bad input must fail before the fast path is attached.
+        connmgr::probe(
+            device,
+            cm_port(cm_args, link.as_ref()),
+            cm_pkey(cm_args, link.as_ref()),
+        )?;
+    }
     let att = attach::attach(dev, change)?;
     // Connected mode: explicit (--cm-device) must work; found by itself, it may fail to UD.
-    let cm = cm_options(iface, dev, cm_args, &att)?.map(|options| daemon::CmSetup {
+    let cm = cm_options(iface, dev, cm_args, link.as_ref(), &att)?.map(|options| daemon::CmSetup {
         options,
         required: cm_args.cm_device.is_some(),
     });
@@ -588,7 +653,20 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         }
         if cause.downcast_ref::<PolicyError>().is_some()
             || cause.downcast_ref::<NetdevError>().is_some()
+            || cause
+                .downcast_ref::<ipoib_ctl::iblink::LinkError>()
+                .is_some_and(|l| !matches!(l, ipoib_ctl::iblink::LinkError::Sysfs { .. }))
         {
+            return exit::BAD_INPUT;
+        }
+        if cause.downcast_ref::<connmgr::CmError>().is_some_and(|c| {
+            matches!(
+                c,
+                connmgr::CmError::NoDevice(_)
+                    | connmgr::CmError::NoPort { .. }
+                    | connmgr::CmError::NoPartition { .. }
+            )
+        }) {
             return exit::BAD_INPUT;
         }
         if let Some(a) = cause.downcast_ref::<AttachError>() {

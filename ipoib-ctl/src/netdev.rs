@@ -149,15 +149,6 @@ impl Netdev {
     }
 }
 
-/// The RDMA device under an IPoIB interface (`/sys/class/net/IFACE/device/infiniband/*`).
-pub fn hca_under(iface: &str) -> Option<String> {
-    std::fs::read_dir(format!("/sys/class/net/{iface}/device/infiniband"))
-        .ok()?
-        .flatten()
-        .next()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-}
-
 /// `ip ARGS` in this network namespace (a change: an address, a link setting).
 pub fn ip(args: &[&str]) -> Result<(), NetdevError> {
     let cmd = || format!("ip {}", args.join(" "));

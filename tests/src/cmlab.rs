@@ -48,7 +48,7 @@ impl Verbs {
     pub fn open_with(dev: &str, model: ReceiveModel, send_slots: u32) -> Result<Self> {
         let dev = Device::open(dev)?;
         let buffer = CM_BUF_SIZE as u32;
-        let res = Resources::create(&dev, 1, model, buffer, send_slots, STRIDE)?;
+        let res = Resources::create(&dev, 1, 0, model, buffer, send_slots, STRIDE)?;
         Ok(Self {
             cq: res.recv_cq.clone(),
             send: res.send.clone(),

@@ -1759,6 +1759,85 @@ fn an_ipv6_peer_is_promoted_too() {
     settle(&dev, &baseline, COUNTED);
 }
 
+/// The partition (P_Key) of connected mode, looked up in the port's real P_Key table (read
+/// here from sysfs, apart from the code under test). A partition the port is not in, or a
+/// port the device lacks, is bad input: `attach` exits 2 before anything changed. A limited
+/// member's P_Key of a partition the port is in (the low 15 bits match, as the kernel's
+/// `ib_find_pkey` matches) finds its entry: the connection comes up and a stream arrives
+/// intact over it. What this cannot show: soft-RoCE's table holds one entry (the default
+/// partition), and it neither checks nor uses a QP's P_Key index (seen: with the index forced
+/// one past its table, this test still passed). Which index is taken is proven by the unit
+/// tests of `iblink::pkey_index` (the kernel's rule), the sysfs side of P_Key child
+/// interfaces by `iblink`'s tests on fixture trees laid out as the kernel lays them out.
+#[test]
+fn connected_mode_is_set_up_in_the_interfaces_partition() {
+    let test = "connected_mode_is_set_up_in_the_interfaces_partition";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyk", 2) else {
+        return;
+    };
+    let dir = format!("/sys/class/infiniband/{dev}/ports/1/pkeys");
+    let table: Vec<u16> = (0..)
+        .map_while(|i| std::fs::read_to_string(format!("{dir}/{i}")).ok())
+        .map(|t| u16::from_str_radix(t.trim().trim_start_matches("0x"), 16).unwrap())
+        .collect();
+    eprintln!("{dev} port 1 P_Key table: {table:04x?}");
+    let default = *table.first().expect("a P_Key table");
+    assert_eq!(
+        default & 0x7fff,
+        0x7fff,
+        "not the default partition at 0: {table:04x?}"
+    );
+    let absent = (1..0x7fffu16)
+        .map(|k| k | 0x8000)
+        .find(|k| table.iter().all(|t| t & 0x7fff != k & 0x7fff))
+        .unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let cases = [
+        vec!["--cm-pkey".to_string(), format!("{absent:#06x}")],
+        vec!["--cm-port".to_string(), "2".to_string()],
+    ];
+    for extra in cases {
+        let mut args = vec!["attach", &a.iface, "--cm-device", &dev];
+        args.extend(extra.iter().map(String::as_str));
+        let out = a.ctl(&args).unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{extra:?}: exit {:?}: {}", out.status.code(), err.trim());
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let st = a.ctl(&["status", &a.iface]).unwrap();
+        assert_eq!(
+            st.status.code(),
+            Some(4),
+            "{args:?} left {} attached: {}",
+            a.iface,
+            String::from_utf8_lossy(&st.stdout)
+        );
+    }
+    // The default partition as a limited member would name it.
+    let limited = format!("{:#06x}", default & 0x7fff);
+    lab.attach(Which::A, &["--cm-device", &dev, "--cm-pkey", &limited])
+        .unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev, "--cm-pkey", &limited])
+        .unwrap();
+    let b_ip = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5370);
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", a.cm().unwrap(), ctl_log(&a)));
+    std::thread::sleep(Duration::from_secs(2));
+    let sent = stream.finish();
+    let peer = a.peer(&b_ip).unwrap().unwrap();
+    eprintln!(
+        "partition {limited}: {} MiB sent, {} MiB of it over CM, intact",
+        sent >> 20,
+        peer.traffic.tx_cm_bytes >> 20
+    );
+    assert!(
+        peer.traffic.tx_cm_bytes > 1 << 20,
+        "hardly anything went CM: {peer:?}"
+    );
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
 /// Backpressure: hosts tuned for bulk TCP (socket buffers up to 64 MiB, as HPC sites set
 /// them) and four streams to one peer put more in flight than the connection's queue holds
 /// (64 sends posted, 128 waiting). The engine reports the overflow, the peer goes UD while

@@ -151,7 +151,35 @@ impl Device {
             gid_index,
             active_mtu: pa.active_mtu,
             ethernet: pa.link_layer as u32 == ffi::IBV_LINK_LAYER_ETHERNET,
+            pkey_index: 0,
         })
+    }
+
+    /// How many physical ports the device has.
+    pub fn port_count(&self) -> Result<u8, VerbsError> {
+        let mut attr = ffi::ibv_device_attr::default();
+        // SAFETY: valid context and out pointer.
+        let rc = unsafe { ffi::ibv_query_device(self.ctx.ctx, &mut attr) };
+        self.ctx.check("ibv_query_device", rc)?;
+        Ok(attr.phys_port_cnt)
+    }
+
+    /// The port's P_Key table, in host order (ibv_query_pkey answers in network order).
+    pub fn pkey_table(&self, port: u8) -> Result<Vec<u16>, VerbsError> {
+        let mut pa = ffi::ibv_port_attr::default();
+        // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
+        let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
+        self.ctx.check("ibv_query_port", rc)?;
+        (0..i32::from(pa.pkey_tbl_len))
+            .map(|i| {
+                let mut raw = 0u16;
+                // SAFETY: valid context and out pointer; i is below the table's length.
+                let rc = unsafe { ffi::ibv_query_pkey(self.ctx.ctx, port, i, &mut raw) };
+                self.ctx
+                    .check("ibv_query_pkey", rc)
+                    .map(|()| u16::from_be(raw))
+            })
+            .collect()
     }
 
     /// The port's address with the first GID that is set (on RoCE the GIDs follow the
@@ -248,7 +276,8 @@ pub struct Resources {
 }
 
 impl Resources {
-    /// On `port` of `dev` (its first GID that is set): receives of `buffer_bytes` as `model`
+    /// On `port` of `dev` (its first GID that is set), QPs in the partition at `pkey_index` of
+    /// the port's P_Key table: receives of `buffer_bytes` as `model`
     /// says (an SRQ with every buffer posted, or a pool that registers a ring per
     /// connection), `send_slots` send slots, every buffer `stride` bytes apart, and a CQ deep
     /// enough for every receive that may be posted and the sends (twice: a slot may complete
@@ -256,12 +285,16 @@ impl Resources {
     pub fn create(
         dev: &Device,
         port: u8,
+        pkey_index: u16,
         model: ReceiveModel,
         buffer_bytes: u32,
         send_slots: u32,
         stride: u64,
     ) -> Result<Arc<Self>, VerbsError> {
-        let port = dev.first_address(port)?;
+        let port = PortAddress {
+            pkey_index,
+            ..dev.first_address(port)?
+        };
         let pd = dev.alloc_pd()?;
         let cqe = model.receives().saturating_add(2 * send_slots);
         let cq = CompletionQueue::create(dev, cqe, true)?;
@@ -346,6 +379,9 @@ pub struct PortAddress {
     pub active_mtu: u32,
     /// RoCE: addressing by GID (a GRH on every packet), no LIDs.
     pub ethernet: bool,
+    /// Where the partition's P_Key sits in the port's table: local, for this side's QPs
+    /// (0, the default partition, unless [`Resources::create`] was given another).
+    pub pkey_index: u16,
 }
 
 pub struct ProtectionDomain {
@@ -949,7 +985,7 @@ impl RcQueuePair {
         };
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
-            pkey_index: 0,
+            pkey_index: port.pkey_index,
             port_num: port.port,
             qp_access_flags: 0,
             ..Default::default()
