@@ -747,7 +747,11 @@ impl Manager {
         }
         let input = TickInput {
             mode: self.maps.policy().ok().and_then(|p| Mode::from_raw(p.mode)),
-            max_connections: cap(&self.iface, self.plan_max),
+            max_connections: cap(
+                &self.iface,
+                self.plan_max,
+                self.res.recv.rings().map(|p| p.ring_bytes()),
+            ),
             pins: self.pins(),
             traffic: self.traffic(),
             srq_posted: self.res.recv.srq().map_or(0, |s| s.posted()),
@@ -1069,7 +1073,8 @@ impl From<PeerView> for PeerStatus {
 /// to `cm`, before the listener takes a REQ.
 fn new_core(iface: &str, opts: &CmOptions, hca: &Hca, cm: &Cm) -> Core {
     let mut promo = opts.promotion.clone();
-    promo.max_connections = cap(iface, hca.max_connections());
+    let ring_bytes = hca.res.recv.rings().map(|p| p.ring_bytes());
+    promo.max_connections = cap(iface, hca.max_connections(), ring_bytes);
     let mut core = Core::new(Promoter::new(promo, Mode::Auto), hca.srq_depth());
     while let Some(c) = core.next_command() {
         if let Command::SetSetupLimit(n) = c {
@@ -1149,10 +1154,62 @@ fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<Engi
     (t, events)
 }
 
-/// The plan's cap, lowered by policy `max-connections` (read on every tick, so a change
-/// takes effect live).
-fn cap(iface: &str, plan_max: usize) -> usize {
-    crate::attach::read_state(iface)
-        .and_then(|s| s.max_connections)
-        .map_or(plan_max, |n| (n as usize).min(plan_max))
+/// The plan's cap as the policy lowers it now ([`live_cap`]; the state file is read on
+/// every tick, so a `set-policy` takes effect live).
+fn cap(iface: &str, plan_max: usize, ring_bytes: Option<u64>) -> usize {
+    let state = crate::attach::read_state(iface);
+    live_cap(
+        plan_max,
+        state.as_ref().and_then(|s| s.max_connections),
+        state.as_ref().and_then(|s| s.memory_budget),
+        ring_bytes,
+    )
+}
+
+/// The connections allowed now: the plan's cap, lowered by policy `max-connections` and,
+/// with a receive ring per connection (`ring_bytes` each), by the rings policy
+/// `memory-budget` holds. Only lowered: the completion queue and the pool were sized for the
+/// plan at attach, so a budget above it, and any budget for an SRQ (made once), takes effect
+/// at the next attach.
+pub fn live_cap(
+    plan_max: usize,
+    max_connections: Option<u32>,
+    memory_budget: Option<u64>,
+    ring_bytes: Option<u64>,
+) -> usize {
+    let by_count = max_connections.map_or(plan_max, |n| n as usize);
+    let by_memory = match (memory_budget, ring_bytes) {
+        (Some(budget), Some(ring)) if ring > 0 => {
+            usize::try_from(budget / ring).unwrap_or(usize::MAX)
+        }
+        _ => plan_max,
+    };
+    plan_max.min(by_count).min(by_memory)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::live_cap;
+
+    #[test]
+    fn the_policy_only_lowers_the_plans_cap() {
+        const RING: u64 = 4 << 20;
+        // Nothing set: the plan.
+        assert_eq!(live_cap(96, None, None, Some(RING)), 96);
+        assert_eq!(live_cap(1000, None, None, None), 1000);
+        // max-connections lowers, never raises.
+        assert_eq!(live_cap(96, Some(3), None, Some(RING)), 3);
+        assert_eq!(live_cap(96, Some(500), None, Some(RING)), 96);
+        // memory-budget counts rings: 14 MiB holds 3 of 4 MiB, 4 MiB one, less none.
+        assert_eq!(live_cap(96, None, Some(14 << 20), Some(RING)), 3);
+        assert_eq!(live_cap(96, None, Some(RING), Some(RING)), 1);
+        assert_eq!(live_cap(96, None, Some(RING - 1), Some(RING)), 0);
+        assert_eq!(live_cap(2, None, Some(1 << 40), Some(RING)), 2);
+        // The smaller of the two.
+        assert_eq!(live_cap(96, Some(2), Some(14 << 20), Some(RING)), 2);
+        assert_eq!(live_cap(96, Some(5), Some(14 << 20), Some(RING)), 3);
+        // On an SRQ the budget is the SRQ's, made once: the cap stays.
+        assert_eq!(live_cap(1000, None, Some(RING), None), 1000);
+        assert_eq!(live_cap(1000, None, Some(RING), Some(0)), 1000);
+    }
 }

@@ -449,7 +449,34 @@ fn cmd_set_policy(iface: &str, settings: &[String]) -> Result<()> {
         "{iface}: {}",
         status::PolicyView::new(&p, Some(&state)).render()
     );
+    if let (Some(b), Some(cm)) = (change.memory_budget, connmgr::read_status(iface)) {
+        println!("{}", budget_note(b, &cm.receive));
+    }
     Ok(())
+}
+
+/// When a new `memory-budget` reaches the running loop's receive side.
+fn budget_note(budget: u64, r: &connmgr::ReceiveStatus) -> String {
+    use ipoib_ctl::policy::format_size;
+    let ring = u64::from(r.depth) * ipoib_ctl::plan::CM_BUF_STRIDE;
+    match r.model.as_str() {
+        "rings" if budget / ring.max(1) < u64::from(r.max_rings) => format!(
+            "memory-budget: {} ring(s) of {} now (connections past them are closed within \
+             a tick)",
+            budget / ring.max(1),
+            format_size(ring)
+        ),
+        "rings" => format!(
+            "memory-budget: at most the {} ring(s) this attach planned until the next attach",
+            r.max_rings
+        ),
+        _ => format!(
+            "memory-budget: the SRQ ({} registered) is made once; {} takes effect at the next \
+             attach",
+            format_size(r.registered_bytes),
+            format_size(budget)
+        ),
+    }
 }
 
 /// An interface's `memory-budget` must fit the node's budget: the smallest a running attach

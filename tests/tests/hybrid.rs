@@ -1549,9 +1549,11 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
 
 /// The cap changed on A's running loop: raised to 3, A connects every peer itself (they are in
 /// backoff, which takes a connection set up to them); lowered to 1 again, A closes the two
-/// least recently active, and their rings (without an SRQ) are freed. The memory plan is
-/// sampled throughout.
+/// least recently active, and their rings (without an SRQ) are freed. With rings it is
+/// lowered by the memory budget (`memory-budget=4MiB`, one ring), the cap left at 3: the
+/// budget counts on a running loop too. The memory plan is sampled throughout.
 fn cap_raised_and_lowered(a: &Node, mem: &mut MemoryWatch) {
+    let recv = mem.recv;
     let held_now = || read_status(&a.iface).map_or(0, |s| s.connections);
     let mut wait_held = |want: usize, within: Duration| {
         wait_until(within, || {
@@ -1560,17 +1562,19 @@ fn cap_raised_and_lowered(a: &Node, mem: &mut MemoryWatch) {
         });
         held_now()
     };
-    let set = |n: u32| {
-        let out = a
-            .ctl(&["set-policy", &a.iface, &format!("max-connections={n}")])
-            .unwrap();
+    let set = |setting: &str| {
+        let out = a.ctl(&["set-policy", &a.iface, setting]).unwrap();
         assert!(
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        eprintln!(
+            "set-policy {setting}: {}",
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
     };
-    set(3);
+    set("max-connections=3");
     let t = Instant::now();
     let raised = wait_held(3, Duration::from_secs(20));
     eprintln!(
@@ -1584,13 +1588,14 @@ fn cap_raised_and_lowered(a: &Node, mem: &mut MemoryWatch) {
         a.cm().unwrap(),
         ctl_log(a)
     );
-    set(1);
+    let lower = match recv {
+        Recv::Srq => "max-connections=1",
+        Recv::Rings => "memory-budget=4MiB",
+    };
+    set(lower);
     let t = Instant::now();
     let lowered = wait_held(1, Duration::from_secs(10));
-    eprintln!(
-        "max-connections=1: A holds {lowered} after {:.1?}",
-        t.elapsed()
-    );
+    eprintln!("{lower}: A holds {lowered} after {:.1?}", t.elapsed());
     assert_eq!(
         lowered,
         1,
