@@ -259,16 +259,17 @@ pub fn rxe_device() -> Option<String> {
     Some("rxe0".into())
 }
 
-/// A second rxe device, `rxe1`, on the other end of [`rxe_device`]'s veth pair (which must
+/// A second rxe device, `rxe1` (with what the kernel holds on it when new), on the other end of [`rxe_device`]'s veth pair (which must
 /// exist: make it with [`device`] first), with its own address (10.79.0.1): a second rail's
 /// HCA. Deleted when dropped, once nothing holds it: make it before the lab that uses it, so
 /// that it is dropped after the lab (and [`rxe_device`] picks rxe0 where it stays).
-pub struct SecondRxe(pub String);
+pub struct SecondRxe(pub String, HashMap<String, u64>);
 
 impl SecondRxe {
     pub fn make() -> Self {
         make_rxe("rxe1", "rxev1", "10.79.0.1/24");
-        SecondRxe("rxe1".into())
+        // What the kernel itself holds on a new device (the GSI QP with its PD and CQ).
+        SecondRxe("rxe1".into(), rdma_resources("rxe1"))
     }
 }
 
@@ -284,9 +285,10 @@ impl Drop for SecondRxe {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let res = rdma_resources(&self.0);
+            let count = |m: &HashMap<String, u64>, k: &str| m.get(k).copied().unwrap_or(0);
             let held = ["qp", "cq", "mr", "pd", "srq"]
                 .iter()
-                .any(|k| res.get(*k).copied().unwrap_or(0) > 0);
+                .any(|k| count(&res, k) > count(&self.1, k));
             if !held {
                 let _ = sh(&["rdma", "link", "delete", &self.0]);
                 return;

@@ -1057,6 +1057,52 @@ fn rc_qps_by_device(pid: u32) -> HashMap<String, u64> {
     by
 }
 
+/// Two nodes joined by two rails: rail 0 (`lab.a`-`lab.b`) on the first rxe device, rail 1
+/// (`a1`-`b1`) on a second one. Every interface attached on `recv`, A's with `extra_a`; A's
+/// two pids. Fields drop in order: the lab (whose loops hold both devices) before `rxe1`.
+struct TwoRails {
+    lab: Lab,
+    a1: Node,
+    b1: Node,
+    devs: [String; 2],
+    baselines: [HashMap<String, u64>; 2],
+    pids_a: [u32; 2],
+    _rxe1: ipoib_tests::cmlab::SecondRxe,
+}
+
+impl TwoRails {
+    fn new(test: &str, tag: &str, recv: Recv, extra_a: &[&str]) -> Option<Self> {
+        // The first device must exist before the second is made on its veth pair.
+        device(test)?;
+        let rxe1 = ipoib_tests::cmlab::SecondRxe::make();
+        let (dev0, baseline0, mut lab) = rdma_lab(test, tag, 2)?;
+        let dev1 = rxe1.0.clone();
+        let baseline1 = rdma_resources(&dev1);
+        let (a1, b1) = lab.second_rail().expect("second rail");
+        let pid_a0 = attach(&mut lab, Which::A, recv, &dev0, extra_a);
+        let pid_a1 = attach_node(&mut lab, &a1, recv, &dev1, extra_a);
+        attach(&mut lab, Which::B, recv, &dev0, &[]);
+        attach_node(&mut lab, &b1, recv, &dev1, &[]);
+        Some(Self {
+            lab,
+            a1,
+            b1,
+            devs: [dev0, dev1],
+            baselines: [baseline0, baseline1],
+            pids_a: [pid_a0, pid_a1],
+            _rxe1: rxe1,
+        })
+    }
+
+    /// Tears the lab down; both devices back to their baselines.
+    fn finish(mut self) {
+        self.lab.teardown();
+        for (dev, baseline) in self.devs.iter().zip(&self.baselines) {
+            settle(dev, baseline, COUNTED);
+        }
+    }
+}
+
 /// Two rails: A and B joined by two links, rail 0 (`a0`-`b0`) on rxe0 and rail 1
 /// (`a1`-`b1`) on rxe1, both interfaces attached on both nodes: four control loops, each with
 /// its handshake listener on the same port, bound to its interface. A byte-checked stream on
@@ -1066,23 +1112,13 @@ fn rc_qps_by_device(pid: u32) -> HashMap<String, u64> {
 #[test]
 fn two_rails_each_run_connected_mode_on_their_own_device() {
     let test = "two_rails_each_run_connected_mode_on_their_own_device";
-    let recv = Recv::Srq;
-    // The second device first: dropped after the lab (its loops hold it until then).
-    if device(test).is_none() {
-        return;
-    }
-    let rxe1 = ipoib_tests::cmlab::SecondRxe::make();
-    let Some((dev0, baseline0, mut lab)) = rdma_lab(test, "hyw", 2) else {
+    let Some(mut rails) = TwoRails::new(test, "hyw", Recv::Srq, &[]) else {
         return;
     };
-    let dev1 = rxe1.0.clone();
-    let baseline1 = rdma_resources(&dev1);
-    let (a1, b1) = lab.second_rail().expect("second rail");
-    let pid_a0 = attach(&mut lab, Which::A, recv, &dev0, &[]);
-    attach(&mut lab, Which::B, recv, &dev0, &[]);
-    let pid_a1 = attach_node(&mut lab, &a1, recv, &dev1, &[]);
-    attach_node(&mut lab, &b1, recv, &dev1, &[]);
-    let (a0, b0) = (lab.a.clone(), lab.b.clone());
+    let [dev0, dev1] = rails.devs.clone();
+    let [pid_a0, pid_a1] = rails.pids_a;
+    let (a0, b0) = (rails.lab.a.clone(), rails.lab.b.clone());
+    let (a1, b1) = (rails.a1.clone(), rails.b1.clone());
     let (b0_ip, b1_ip) = (b0.ip4.to_string(), b1.ip4.to_string());
     let s0 = Stream::start(&a0, &b0, 5360);
     let s1 = Stream::start(&a1, &b1, 5361);
@@ -1110,7 +1146,7 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
 
     let rail0 = cm_of(&a0);
     let before = a0.peer(&b0_ip).unwrap().unwrap();
-    lab.kill9(pid_a1);
+    rails.lab.kill9(pid_a1);
     // Its entry stays CM_UP (nobody is left to write it), but its CM device is gone with the
     // loop: the fast path sends rail 1's stream UD.
     let fell = a1.peer(&b1_ip).unwrap().unwrap();
@@ -1137,9 +1173,7 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
         t0 >> 20,
         t1 >> 20
     );
-    lab.teardown();
-    settle(&dev0, &baseline0, COUNTED);
-    settle(&dev1, &baseline1, COUNTED);
+    rails.finish();
 }
 
 /// The node's budget shared by two rails: A's two loops (rings per connection) are given a node
@@ -1151,24 +1185,13 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
 #[test]
 fn two_rails_share_the_nodes_budget() {
     let test = "two_rails_share_the_nodes_budget";
-    let recv = Recv::Rings;
-    // The second device first: dropped after the lab (its loops hold it until then).
-    if device(test).is_none() {
-        return;
-    }
-    let rxe1 = ipoib_tests::cmlab::SecondRxe::make();
-    let Some((dev0, baseline0, mut lab)) = rdma_lab(test, "hyn", 2) else {
+    let one_ring = ["--node-memory-budget", "4MiB"];
+    let Some(mut rails) = TwoRails::new(test, "hyn", Recv::Rings, &one_ring) else {
         return;
     };
-    let dev1 = rxe1.0.clone();
-    let baseline1 = rdma_resources(&dev1);
-    let (a1, b1) = lab.second_rail().expect("second rail");
-    let one_ring = ["--node-memory-budget", "4MiB"];
-    let pid_a0 = attach(&mut lab, Which::A, recv, &dev0, &one_ring);
-    let pid_a1 = attach_node(&mut lab, &a1, recv, &dev1, &one_ring);
-    attach(&mut lab, Which::B, recv, &dev0, &[]);
-    attach_node(&mut lab, &b1, recv, &dev1, &[]);
-    let (a0, b0) = (lab.a.clone(), lab.b.clone());
+    let [pid_a0, pid_a1] = rails.pids_a;
+    let (a0, b0) = (rails.lab.a.clone(), rails.lab.b.clone());
+    let (a1, b1) = (rails.a1.clone(), rails.b1.clone());
     let node = cm_of(&a1).node;
     assert_eq!(node.budget_bytes, 4 << 20, "{node:?}");
     // Each loop's regions at rest (its send slots): what comes on top are rings.
@@ -1181,7 +1204,7 @@ fn two_rails_share_the_nodes_budget() {
                 (r + n - n0, b + bytes - b0)
             })
     };
-    let rails = [
+    let by_rail = [
         (&a0, b0.ip4.to_string(), pid_a0),
         (&a1, b1.ip4.to_string(), pid_a1),
     ];
@@ -1199,7 +1222,7 @@ fn two_rails_share_the_nodes_budget() {
         samples += 1;
         let up: Vec<usize> = (0..2)
             .filter(|i| {
-                let (n, peer, _) = &rails[*i];
+                let (n, peer, _) = &by_rail[*i];
                 n.peer(peer).unwrap().is_some_and(|p| p.mode == "cm_up")
             })
             .collect();
@@ -1209,7 +1232,7 @@ fn two_rails_share_the_nodes_budget() {
     }
     let won = held_by.expect("neither rail got the node's one ring");
     let lost = 1 - won;
-    let (n_lost, peer_lost, pid_lost) = &rails[lost];
+    let (n_lost, peer_lost, pid_lost) = &by_rail[lost];
     let refused = cm_of(n_lost).receive.rings_refused;
     eprintln!(
         "rail {won} holds the ring; rail {lost} refused {refused} times; {samples} samples of \
@@ -1222,7 +1245,7 @@ fn two_rails_share_the_nodes_budget() {
         "rail {lost} on CM without a ring"
     );
     // The rail holding the ring loses its loop: the other takes the ring.
-    lab.kill9(rails[won].2);
+    rails.lab.kill9(by_rail[won].2);
     let t = Instant::now();
     let back = wait_until(Duration::from_secs(45), || {
         let (rings, bytes) = rings_now(&[*pid_lost]);
@@ -1248,9 +1271,7 @@ fn two_rails_share_the_nodes_budget() {
         t0 >> 20,
         t1 >> 20
     );
-    lab.teardown();
-    settle(&dev0, &baseline0, COUNTED);
-    settle(&dev1, &baseline1, COUNTED);
+    rails.finish();
 }
 
 /// The RC path fails under the flow while both control loops live: the link under the RDMA
@@ -1824,7 +1845,7 @@ fn connected_mode_is_set_up_in_the_interfaces_partition() {
     lab.attach(Which::B, &["--cm-device", &dev, "--cm-pkey", &limited])
         .unwrap();
     let b_ip = b.ip4.to_string();
-    let stream = Stream::start(&a, &b, 5370);
+    let stream = Stream::start(&a, &b, 5380);
     a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
         .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", a.cm().unwrap(), ctl_log(&a)));
     std::thread::sleep(Duration::from_secs(2));
