@@ -492,10 +492,11 @@ pub struct NodeBudget {
 struct Watched {
     /// Ends the watch (and the connection).
     close: oneshot::Sender<()>,
-    /// Bytes the engine has received on it so far.
+    /// Bytes the engine has received on it so far, and keepalives.
     received: u64,
-    /// When they last grew (monotonic ns, 0 for never): the watch takes it as word from the
-    /// peer.
+    keepalives: u64,
+    /// When either last grew (monotonic ns, 0 for never): the watch takes it as word from
+    /// the peer (a one-way stream's sender hears its receiver only through the keepalives).
     traffic: Arc<AtomicU64>,
 }
 
@@ -809,14 +810,21 @@ impl Manager {
             EngineEvent::Drained(ip) => self.core.handle_drained(ip),
             EngineEvent::RouteAdded { ip, qpn } => self.core.handle_route_added(ip, qpn),
             EngineEvent::Received(totals) => {
-                for (qpn, total) in &totals {
-                    if let Some(w) = self.watched.get_mut(qpn)
-                        && std::mem::replace(&mut w.received, *total) != *total
-                    {
-                        w.traffic.store(now, Ordering::Relaxed);
-                    }
-                }
+                self.heard(now, &totals, |w| &mut w.received);
                 self.core.handle_received(&totals);
+            }
+            EngineEvent::Keepalives(totals) => self.heard(now, &totals, |w| &mut w.keepalives),
+        }
+    }
+
+    /// Word from the peers in the engine's `totals`: each watched connection whose count
+    /// (the one `field` picks) grew was heard at `now`.
+    fn heard(&mut self, now: u64, totals: &[(u32, u64)], field: fn(&mut Watched) -> &mut u64) {
+        for (qpn, total) in totals {
+            if let Some(w) = self.watched.get_mut(qpn)
+                && std::mem::replace(field(w), *total) != *total
+            {
+                w.traffic.store(now, Ordering::Relaxed);
             }
         }
     }
@@ -975,6 +983,7 @@ impl Manager {
         let w = Watched {
             close,
             received: 0,
+            keepalives: 0,
             traffic: traffic.clone(),
         };
         self.watched.insert(qpn, w);

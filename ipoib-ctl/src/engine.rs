@@ -30,7 +30,7 @@
 //! Runs on tokio: AsyncFd on the TUN fd and on the CQ's completion channel.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     io,
     net::IpAddr,
     os::fd::{AsRawFd, RawFd},
@@ -94,6 +94,9 @@ pub struct EngineStats {
     pub rx_errors: AtomicU64,
     /// Writes into the TUN device that failed.
     pub rx_tun_errors: AtomicU64,
+    /// Keepalives sent on connections that were idle this way, and received.
+    pub keepalives_sent: AtomicU64,
+    pub keepalives_received: AtomicU64,
     /// Connections the engine tracks sends for (a gauge; those whose connection is gone and
     /// have nothing in flight are forgotten at the next housekeeping).
     pub flows: AtomicU64,
@@ -132,6 +135,8 @@ impl EngineStats {
             ("rx_bytes", g(&self.rx_bytes)),
             ("rx_errors", g(&self.rx_errors)),
             ("rx_tun_errors", g(&self.rx_tun_errors)),
+            ("keepalives_sent", g(&self.keepalives_sent)),
+            ("keepalives_received", g(&self.keepalives_received)),
             ("flows", g(&self.flows)),
         ]
     }
@@ -291,6 +296,10 @@ pub enum EngineEvent {
     RouteAdded { ip: IpAddr, qpn: u32 },
     /// Bytes received so far on each routed QP (totals), sent when any changed.
     Received(Vec<(u32, u64)>),
+    /// Keepalives received so far on each routed QP (totals), sent when any changed: the
+    /// peer's engine runs. Apart from [`EngineEvent::Received`], which measures traffic (an
+    /// idle connection is still reaped).
+    Keepalives(Vec<(u32, u64)>),
 }
 
 /// Per-connection send state, by QP number.
@@ -333,6 +342,11 @@ struct Core {
     /// Bytes received per QP, and whether any changed since the last report.
     rx_by_qp: HashMap<u32, u64>,
     rx_changed: bool,
+    /// Keepalives received per QP, and whether any changed since the last report.
+    keepalives_by_qp: HashMap<u32, u64>,
+    keepalives_changed: bool,
+    /// QPs something was sent on since the last housekeeping (the others get a keepalive).
+    sent_on: HashSet<u32>,
     events: Option<mpsc::UnboundedSender<EngineEvent>>,
 }
 
@@ -354,6 +368,9 @@ fn destination(pkt: &[u8]) -> Option<IpAddr> {
 /// How often flows of gone connections are forgotten, receive totals reported and the
 /// engine's proof of life renewed.
 pub const HOUSEKEEPING: Duration = Duration::from_millis(500);
+
+/// A keepalive's length on the wire: the TUN's virtio-net header and nothing after it.
+pub const KEEPALIVE_LEN: usize = VNET_HDR_LEN;
 
 impl Engine {
     /// `tun` must be non-blocking; `res` must have one CQ for sends and receives, with a
@@ -387,6 +404,9 @@ impl Engine {
                 flows: HashMap::new(),
                 rx_by_qp: HashMap::new(),
                 rx_changed: false,
+                keepalives_by_qp: HashMap::new(),
+                keepalives_changed: false,
+                sent_on: HashSet::new(),
                 events: None,
             },
             commands,
@@ -519,6 +539,7 @@ impl Core {
                     self.routes.remove(&ip);
                 }
                 self.rx_by_qp.remove(&qpn);
+                self.keepalives_by_qp.remove(&qpn);
                 if let Some(close) = close {
                     let _ = close.send(());
                 }
@@ -539,12 +560,65 @@ impl Core {
             .retain(|qpn, f| f.in_flight > 0 || !f.waiting.is_empty() || routed(&f.dst, *qpn));
         self.rx_by_qp
             .retain(|qpn, _| routes.values().any(|r| r.qp.qpn() == *qpn));
+        self.keepalives_by_qp
+            .retain(|qpn, _| routes.values().any(|r| r.qp.qpn() == *qpn));
         self.stats
             .flows
             .store(self.flows.len() as u64, Ordering::Relaxed);
         if std::mem::take(&mut self.rx_changed) {
             let totals = self.rx_by_qp.iter().map(|(q, b)| (*q, *b)).collect();
             self.tell(EngineEvent::Received(totals));
+        }
+        if std::mem::take(&mut self.keepalives_changed) {
+            let totals = self
+                .keepalives_by_qp
+                .iter()
+                .map(|(q, n)| (*q, *n))
+                .collect();
+            self.tell(EngineEvent::Keepalives(totals));
+        }
+        self.send_keepalives();
+    }
+
+    /// A keepalive on every connection nothing was sent on since the last housekeeping: a
+    /// message of [`KEEPALIVE_LEN`] zero bytes (no IP packet is that short), which the peer's
+    /// engine counts and drops. It tells the peer that this engine runs, over the connection
+    /// itself: a one-way stream's receiver sends nothing else on it, and the handshake
+    /// stream's keepalive goes UD, which drops under load. Skipped where the queue is full or
+    /// no slot is free (the peer is then hearing from this end anyway).
+    fn send_keepalives(&mut self) {
+        let sent = std::mem::take(&mut self.sent_on);
+        let idle: Vec<(IpAddr, u32)> = self
+            .routes
+            .iter()
+            .map(|(ip, r)| (*ip, r.qp.qpn()))
+            .filter(|(_, qpn)| !sent.contains(qpn))
+            .collect();
+        for (ip, qpn) in idle {
+            let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(ip));
+            if flow.dead || flow.in_flight >= self.cfg.max_send_wr {
+                continue;
+            }
+            let Some(slot) = self.free.pop() else {
+                return;
+            };
+            let send = &self.res.send;
+            // SAFETY: the slot was free: nothing posted uses it until its send completes.
+            unsafe { send.slot(slot)[..KEEPALIVE_LEN].fill(0) };
+            let route = &self.routes[&ip];
+            match route
+                .qp
+                .post_send(send, slot, KEEPALIVE_LEN as u32, u64::from(slot))
+            {
+                Ok(()) => {
+                    flow.in_flight += 1;
+                    Self::count(&self.stats.keepalives_sent);
+                }
+                Err(e) => {
+                    self.free.push(slot);
+                    tracing::debug!("keepalive to {ip}: {e}");
+                }
+            }
         }
     }
 
@@ -600,6 +674,7 @@ impl Core {
             tracing::debug!("post_send to {dst}: {e}");
             return;
         }
+        self.sent_on.insert(qpn);
         self.stats.sent(msg.len());
     }
 
@@ -634,6 +709,10 @@ impl Core {
             if on_ring {
                 return Ok(());
             }
+        } else if buf.bytes().len() <= KEEPALIVE_LEN {
+            Self::count(&self.stats.keepalives_received);
+            *self.keepalives_by_qp.entry(wc.qp_num).or_default() += 1;
+            self.keepalives_changed = true;
         } else if tun.send(buf.bytes()).is_err() {
             Self::count(&self.stats.rx_tun_errors);
         } else {

@@ -203,10 +203,12 @@ impl SmallUdp {
 }
 
 /// Numbered UDP datagrams of 1200 bytes (over `cm_min_bytes`: they go CM when the peer is up)
-/// from `a` to `b`, one a millisecond, until `finish`; the receiver notes when each arrived.
+/// from `a` to `b`, one a millisecond (or a `period`), until `finish`; the receiver notes when
+/// each arrived.
 struct PacedUdp {
-    /// When datagram 0 was due; datagram i is due i ms later.
+    /// When datagram 0 was due; datagram i is due i periods later.
     t0: Instant,
+    period: Duration,
     stop: Arc<AtomicBool>,
     sender: std::thread::JoinHandle<u32>,
     receiver: std::thread::JoinHandle<Vec<(u32, Instant)>>,
@@ -216,6 +218,10 @@ impl PacedUdp {
     const LEN: usize = 1200;
 
     fn start(a: &Node, b: &Node, port: u16) -> Self {
+        Self::every(a, b, port, Duration::from_millis(1))
+    }
+
+    fn every(a: &Node, b: &Node, port: u16, period: Duration) -> Self {
         let addr = format!("{}:{port}", b.ip4);
         let sock = in_netns(&b.ns, {
             let addr = addr.clone();
@@ -250,7 +256,7 @@ impl PacedUdp {
                         // A full socket buffer would block: the rate is the sender's own.
                         s.send_to(&d, &addr).expect("send a datagram");
                         i += 1;
-                        let due = t + Duration::from_millis(u64::from(i));
+                        let due = t + period * i;
                         std::thread::sleep(due.saturating_duration_since(Instant::now()));
                     }
                     i
@@ -259,15 +265,16 @@ impl PacedUdp {
         });
         Self {
             t0,
+            period,
             stop,
             sender,
             receiver,
         }
     }
 
-    /// When datagram `i` was due to be sent (datagram i is due i ms after datagram 0).
+    /// When datagram `i` was due to be sent (datagram i is due i periods after datagram 0).
     fn due(&self, i: u32) -> Instant {
-        self.t0 + Duration::from_millis(u64::from(i))
+        self.t0 + self.period * i
     }
 
     /// Stops; (sent, each datagram received once with when it came).
@@ -1327,6 +1334,94 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     settle(&dev, &baseline, COUNTED);
 }
 
+/// Runs the nftables `script` in node `n`'s namespace.
+fn nft(n: &Node, script: &str) {
+    let mut c = n
+        .cmd("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft (cargo xtask provision --vm installs nftables)");
+    c.stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    assert!(c.wait().unwrap().success(), "nft: {script}");
+}
+
+/// A one-way flow (UDP, A -> B on CM, 100 datagrams a second) while every segment of the
+/// handshake's TCP stream is dropped at B, its keepalive with it (as the UD path drops it under
+/// load): B sends nothing else A could hear. B's engine sends a keepalive on the connection
+/// itself each half-second it has sent nothing there, so A keeps hearing B and keeps the
+/// connection for four heartbeat deadlines: the same connection throughout (A's status,
+/// sampled every 250 ms), no failure counted against B, and A counts B's keepalives. (The
+/// fast path's mode is not asked: a soft-RoCE stall may fill the queue and send the flow UD
+/// while it drains, by design.)
+#[test]
+fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
+    let test = "a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyo", 2) else {
+        return;
+    };
+    // 120 kB/s is below the bulk threshold: mode=connected asks CM for it.
+    let policy = PolicyFile::new("hyo", "mode=connected\n");
+    lab.attach(Which::A, &["--cm-device", &dev, "--policy", policy.arg()])
+        .unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let flow = PacedUdp::every(&a, &b, 5390, Duration::from_millis(10));
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", a.cm().unwrap(), ctl_log(&a)));
+    std::thread::sleep(Duration::from_secs(1));
+    let before = cm_of(&a);
+    let failures = |cm: &CmStatus| cm_peer(cm, &b_ip).map(|p| p.failures);
+    nft(
+        &b,
+        "table inet hs {\n chain in {\n  type filter hook input priority 0; policy accept;\n  \
+         tcp sport 4755 drop\n  tcp dport 4755 drop\n }\n chain out {\n  type filter hook \
+         output priority 0; policy accept;\n  tcp sport 4755 drop\n  tcp dport 4755 drop\n \
+         }\n}\n",
+    );
+    let t = Instant::now();
+    let heartbeat = Duration::from_secs(3);
+    let mut samples = 0;
+    while t.elapsed() < 4 * heartbeat {
+        if let Some(now) = read_status(&a.iface) {
+            samples += 1;
+            let same = now.connections == 1
+                && now.established == before.established
+                && failures(&now) == failures(&before);
+            assert!(
+                same,
+                "A's connection to B changed {:.1?} after B's handshake stream was cut: \
+                 {now:#?}\nB's engine: {:?}\nA's log:\n{}\nB's log:\n{}",
+                t.elapsed(),
+                b.cm().unwrap().map(|c| c.engine),
+                ctl_log(&a),
+                ctl_log(&b)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let after = cm_of(&a);
+    nft(&b, "delete table inet hs");
+    let (sent, got) = flow.finish();
+    let heard =
+        engine_count(&after, "keepalives_received") - engine_count(&before, "keepalives_received");
+    eprintln!(
+        "{:.0?} with the handshake stream cut ({samples} samples): A kept its connection, \
+         {heard} keepalive(s) from B on it; {} of {sent} datagrams arrived",
+        4 * heartbeat,
+        got.len()
+    );
+    assert!(samples >= 20, "A's status read {samples} times in 12 s");
+    assert!(heard >= 4, "A heard {heard} keepalives from B in 12 s");
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
 /// The handshake port blocked at the peer (its TCP SYNs dropped): A's setups time out, B stays
 /// on UD with A backing off, the stream goes on over UD, intact, and nothing is left half set
 /// up. Unblocked, a retry after the backoff connects and the flow goes CM.
@@ -1337,20 +1432,7 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     };
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
-    let nft = |script: &str| {
-        let mut c = b
-            .cmd("nft")
-            .args(["-f", "-"])
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .expect("nft (cargo xtask provision --vm installs nftables)");
-        c.stdin
-            .take()
-            .unwrap()
-            .write_all(script.as_bytes())
-            .unwrap();
-        assert!(c.wait().unwrap().success(), "nft: {script}");
-    };
+    let nft = |script: &str| nft(&b, script);
     nft(
         "table inet hs {\n chain in {\n  type filter hook input priority 0; policy accept;\n  tcp dport 4755 drop\n }\n}\n",
     );

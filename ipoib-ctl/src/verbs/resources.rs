@@ -877,8 +877,9 @@ pub enum QpState {
 ///   a fast stream, so any pause of the receiving engine longer than the retries cover kills
 ///   a connection that had a finite count (0.64 ms * 7 tries: under 5 ms). Retrying without
 ///   end at a short timer makes a busy receiver slow its sender to its own pace, and
-///   liveness is judged elsewhere: the keepalive on the connection's stream (a stopped
-///   peer), the engine's queue bound (a peer that takes nothing goes UD until it drains) and
+///   liveness is judged elsewhere: word from the peer (its keepalive on the connection's
+///   stream, its traffic, the sends its HCA acknowledges: all stop with a stopped peer once
+///   its posted buffers are full), the engine's queue bound (a peer that takes nothing goes UD until it drains) and
 ///   the policy's idle reaping. Measured in `tests/cm.rs`
 ///   (`a_dry_ring_slows_its_sender_and_the_connection_lives`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
