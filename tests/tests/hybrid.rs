@@ -637,12 +637,13 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
         during
     );
     // The large majority goes CM. Not all: when the connection's queue overflows, the next
-    // packets go UD until it drains (`tx_congested`; seen here once in a run, 15 of 101 MiB).
-    eprintln!(
-        "A's queue overflowed {} time(s)",
-        engine_count(&during, "tx_congested")
-    );
-    if (cm as f64) < 0.75 * (cm + ud) as f64 {
+    // packets go UD until it drains (`tx_congested`; seen here in runs on a slow machine: 15
+    // of 101 MiB, and 23.6 of 92.5 MiB). So: at least half CM, and more than a tenth UD only
+    // where the queue overflowed (UD with a cause).
+    let overflows = engine_count(&cm_of(&a), "tx_congested");
+    eprintln!("A's queue overflowed {overflows} time(s)");
+    let share = cm as f64 / (cm + ud).max(1) as f64;
+    if share < 0.5 || (share < 0.9 && overflows == 0) {
         let tun_b = b.cm().unwrap();
         let link = b.cmd("ip").args(["-s", "link"]).output().unwrap();
         let nstat = b.cmd("nstat").args(["-az"]).output().unwrap();
@@ -661,7 +662,8 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
             std::fs::read_to_string(b.log_path()).unwrap_or_default(),
         );
         panic!(
-            "after promotion only {cm} of {} bytes went CM\nB's CM: {tun_b:#?}\nB's links: {}\nB's drops: {drops:#?}",
+            "after promotion only {cm} of {} bytes went CM (queue overflows: {overflows})\nB's \
+             CM: {tun_b:#?}\nB's links: {}\nB's drops: {drops:#?}",
             cm + ud,
             String::from_utf8_lossy(&link.stdout)
         );
