@@ -212,14 +212,21 @@ fn parse_qpn(s: &str) -> Result<u32, String> {
 }
 
 /// Where an IPoIB interface sits (HCA, port, partition), checked against what the operator
-/// gave; None on other interfaces. Read before anything changes, so bad input changes
-/// nothing.
+/// gave; None on other interfaces, and where sysfs does not say (a P_Key child moved into a
+/// container's namespace, where its parent is not seen): then `--cm-device`, `--cm-port` and
+/// `--cm-pkey` hold as given, or every peer stays UD. Read before anything changes, so bad
+/// input changes nothing.
 fn ib_link(iface: &str, dev: &Netdev, args: &CmArgs) -> Result<Option<IbLink>> {
     if args.no_cm || !dev.is_ipoib() {
         return Ok(None);
     }
-    let Some(link) = ipoib_ctl::iblink::read(Path::new("/sys"), iface)? else {
-        return Ok(None);
+    let link = match ipoib_ctl::iblink::read(Path::new("/sys"), iface) {
+        Ok(Some(link)) => link,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            tracing::warn!("{iface}: sysfs does not say where it sits on the fabric: {e}");
+            return Ok(None);
+        }
     };
     link.check(iface, args.cm_device.as_deref(), args.cm_port, args.cm_pkey)?;
     tracing::info!(
