@@ -810,6 +810,10 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         },
     );
     let gone = reason(&a.status().unwrap(), "tx_ud_cm_device_gone") - gone0;
+    // B's entry as the dead loop left it (nobody writes it until the restart): CM_UP, unless
+    // A's queue had overflowed just then (UD while it drains, by design; seen in CI), when
+    // the device check never comes into play.
+    let left = a.peer(&b_ip).unwrap().unwrap().mode;
     let restarted = Instant::now();
     let after_restart = sample_while(
         || stream.received(),
@@ -856,7 +860,8 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         _ => "none".to_string(),
     };
     eprintln!(
-        "kill -9: UDP longest gap {gap_kill:.2?}, {gone} packets sent UD for the gone device; \
+        "kill -9: B's entry left {left}, UDP longest gap {gap_kill:.2?}, {gone} packets sent UD \
+         for the gone device; \
          restart: UDP longest gap {gap_restart:.2?} (restart to CM again {:.1?}); \
          {lost} of {sent} datagrams lost, {lost_at_kill} of them due within 0.5 s before and 1 s \
          after the kill; TCP {} MiB, idle half-seconds after the kill: {}, \
@@ -866,7 +871,9 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         span(&idle_kill),
         span(&idle_restart)
     );
-    assert!(gone > 0, "no packet met the gone device's check");
+    if left == "cm_up" {
+        assert!(gone > 0, "no packet met the gone device's check");
+    }
     assert!(
         lost_at_kill <= 500 + 128 + 64,
         "{lost_at_kill} datagrams lost at the kill: more than the engine could hold"
