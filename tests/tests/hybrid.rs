@@ -814,6 +814,13 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     // A's queue had overflowed just then (UD while it drains, by design; seen in CI), when
     // the device check never comes into play.
     let left = a.peer(&b_ip).unwrap().unwrap().mode;
+    let last = read_status(&a.iface);
+    eprintln!(
+        "the dead loop's last status: queue overflows {:?}, B: {:?}",
+        last.as_ref().map(|s| engine_count(s, "tx_congested")),
+        last.as_ref()
+            .and_then(|s| cm_peer(s, &b_ip).map(|p| p.why.clone()))
+    );
     let restarted = Instant::now();
     let after_restart = sample_while(
         || stream.received(),
