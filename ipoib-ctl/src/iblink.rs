@@ -324,6 +324,10 @@ mod tests {
         s.write("class/net/ib0/pkey", "banana\n");
         let e = read(s.root(), "ib0").unwrap_err().to_string();
         assert!(e.contains("`banana` is not a P_Key"), "{e}");
+        // A file that is there but cannot be read is an error, not "no such interface".
+        std::fs::create_dir_all(s.root().join("class/net/ib7/pkey")).unwrap();
+        let e = read(s.root(), "ib7").unwrap_err().to_string();
+        assert!(e.contains("ib7/pkey"), "{e}");
         s.write("class/net/ib0/pkey", "0x8001\n");
         s.write("class/net/ib0/dev_port", "300\n");
         let e = read(s.root(), "ib0").unwrap_err().to_string();
