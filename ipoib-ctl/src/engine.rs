@@ -331,6 +331,36 @@ pub struct Engine {
     control: EngineControl,
 }
 
+/// A count per QP, reported to the control plane as totals at the housekeeping after any
+/// changed.
+#[derive(Default)]
+struct Totals {
+    by_qp: HashMap<u32, u64>,
+    changed: bool,
+}
+
+impl Totals {
+    fn add(&mut self, qpn: u32, n: u64) {
+        *self.by_qp.entry(qpn).or_default() += n;
+        self.changed = true;
+    }
+
+    fn forget(&mut self, qpn: u32) {
+        self.by_qp.remove(&qpn);
+    }
+
+    /// Keeps only the QPs in `live`.
+    fn retain(&mut self, live: &HashSet<u32>) {
+        self.by_qp.retain(|qpn, _| live.contains(qpn));
+    }
+
+    /// Every total, once after a change.
+    fn report(&mut self) -> Option<Vec<(u32, u64)>> {
+        std::mem::take(&mut self.changed)
+            .then(|| self.by_qp.iter().map(|(q, n)| (*q, *n)).collect())
+    }
+}
+
 /// Everything but the TUN device, so the TUN's readiness can be borrowed while packets move.
 struct Core {
     res: Arc<Resources>,
@@ -339,12 +369,9 @@ struct Core {
     free: Vec<u32>,
     routes: HashMap<IpAddr, Route>,
     flows: HashMap<u32, Flow>,
-    /// Bytes received per QP, and whether any changed since the last report.
-    rx_by_qp: HashMap<u32, u64>,
-    rx_changed: bool,
-    /// Keepalives received per QP, and whether any changed since the last report.
-    keepalives_by_qp: HashMap<u32, u64>,
-    keepalives_changed: bool,
+    /// Bytes received per QP, and keepalives received per QP.
+    rx_by_qp: Totals,
+    keepalives_by_qp: Totals,
     /// QPs something was sent on since the last housekeeping (the others get a keepalive).
     sent_on: HashSet<u32>,
     events: Option<mpsc::UnboundedSender<EngineEvent>>,
@@ -402,10 +429,8 @@ impl Engine {
                 free,
                 routes: HashMap::new(),
                 flows: HashMap::new(),
-                rx_by_qp: HashMap::new(),
-                rx_changed: false,
-                keepalives_by_qp: HashMap::new(),
-                keepalives_changed: false,
+                rx_by_qp: Totals::default(),
+                keepalives_by_qp: Totals::default(),
                 sent_on: HashSet::new(),
                 events: None,
             },
@@ -538,8 +563,8 @@ impl Core {
                 if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
                     self.routes.remove(&ip);
                 }
-                self.rx_by_qp.remove(&qpn);
-                self.keepalives_by_qp.remove(&qpn);
+                self.rx_by_qp.forget(qpn);
+                self.keepalives_by_qp.forget(qpn);
                 if let Some(close) = close {
                     let _ = close.send(());
                 }
@@ -558,23 +583,16 @@ impl Core {
         let routed = |ip: &IpAddr, qpn: u32| routes.get(ip).is_some_and(|r| r.qp.qpn() == qpn);
         self.flows
             .retain(|qpn, f| f.in_flight > 0 || !f.waiting.is_empty() || routed(&f.dst, *qpn));
-        self.rx_by_qp
-            .retain(|qpn, _| routes.values().any(|r| r.qp.qpn() == *qpn));
-        self.keepalives_by_qp
-            .retain(|qpn, _| routes.values().any(|r| r.qp.qpn() == *qpn));
+        let live: HashSet<u32> = routes.values().map(|r| r.qp.qpn()).collect();
+        self.rx_by_qp.retain(&live);
+        self.keepalives_by_qp.retain(&live);
         self.stats
             .flows
             .store(self.flows.len() as u64, Ordering::Relaxed);
-        if std::mem::take(&mut self.rx_changed) {
-            let totals = self.rx_by_qp.iter().map(|(q, b)| (*q, *b)).collect();
+        if let Some(totals) = self.rx_by_qp.report() {
             self.tell(EngineEvent::Received(totals));
         }
-        if std::mem::take(&mut self.keepalives_changed) {
-            let totals = self
-                .keepalives_by_qp
-                .iter()
-                .map(|(q, n)| (*q, *n))
-                .collect();
+        if let Some(totals) = self.keepalives_by_qp.report() {
             self.tell(EngineEvent::Keepalives(totals));
         }
         self.send_keepalives();
@@ -711,16 +729,14 @@ impl Core {
             }
         } else if buf.bytes().len() <= KEEPALIVE_LEN {
             Self::count(&self.stats.keepalives_received);
-            *self.keepalives_by_qp.entry(wc.qp_num).or_default() += 1;
-            self.keepalives_changed = true;
+            self.keepalives_by_qp.add(wc.qp_num, 1);
         } else if tun.send(buf.bytes()).is_err() {
             Self::count(&self.stats.rx_tun_errors);
         } else {
             self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
             let bytes = u64::from(wc.bytes);
             self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
-            *self.rx_by_qp.entry(wc.qp_num).or_default() += bytes;
-            self.rx_changed = true;
+            self.rx_by_qp.add(wc.qp_num, bytes);
         }
         match buf.repost() {
             Ok(()) => Ok(()),
@@ -789,6 +805,25 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn totals_are_reported_once_after_a_change_and_only_for_live_qps() {
+        let mut t = Totals::default();
+        assert_eq!(t.report(), None);
+        t.add(7, 100);
+        t.add(7, 20);
+        t.add(9, 1);
+        let mut r = t.report().unwrap();
+        r.sort_unstable();
+        assert_eq!(r, vec![(7, 120), (9, 1)]);
+        assert_eq!(t.report(), None, "reported again without a change");
+        t.retain(&HashSet::from([9]));
+        t.add(9, 1);
+        assert_eq!(t.report(), Some(vec![(9, 2)]));
+        t.forget(9);
+        t.add(9, 5);
+        assert_eq!(t.report(), Some(vec![(9, 5)]));
+    }
 
     #[test]
     fn faults_parse_by_name() {
