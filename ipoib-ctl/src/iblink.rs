@@ -171,8 +171,9 @@ fn port_of(base: &Path) -> Result<u8, LinkError> {
         .ok_or_else(|| bad(&dev_port_path, "255", "a port index below 255"))
 }
 
-/// "0x8001", "32769" or "0" as sysfs writes them; None for anything else.
-fn parse_u16(text: &str) -> Option<u16> {
+/// "0x8001", "32769" or "0" as sysfs writes them (and as `--cm-pkey` takes them); None for
+/// anything else.
+pub fn parse_u16(text: &str) -> Option<u16> {
     let t = text.trim();
     match t.strip_prefix("0x") {
         Some(h) => u16::from_str_radix(h, 16).ok(),

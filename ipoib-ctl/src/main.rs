@@ -186,17 +186,9 @@ fn parse_secs(s: &str) -> Result<f64, String> {
 }
 
 fn parse_pkey(s: &str) -> Result<u16, String> {
-    let v = match s.strip_prefix("0x") {
-        Some(h) => u16::from_str_radix(h, 16),
-        None => s.parse(),
-    }
-    .map_err(|e| format!("`{s}`: {e}"))?;
-    if v & 0x7fff == 0 {
-        return Err(format!(
-            "`{s}`: a P_Key is 0x0001..0xffff, not 0x0000 or 0x8000"
-        ));
-    }
-    Ok(v)
+    ipoib_ctl::iblink::parse_u16(s)
+        .filter(|v| v & 0x7fff != 0)
+        .ok_or_else(|| format!("`{s}`: a P_Key is 0x0001..0xffff, not 0x0000 or 0x8000"))
 }
 
 fn parse_qpn(s: &str) -> Result<u32, String> {
@@ -466,11 +458,12 @@ fn cmd_set_policy(iface: &str, settings: &[String]) -> Result<()> {
 fn budget_note(budget: u64, r: &connmgr::ReceiveStatus) -> String {
     use ipoib_ctl::policy::format_size;
     let ring = u64::from(r.depth) * ipoib_ctl::plan::CM_BUF_STRIDE;
+    let planned = r.max_rings as usize;
+    let rings = connmgr::live_cap(planned, None, Some(budget), Some(ring));
     match r.model.as_str() {
-        "rings" if budget / ring.max(1) < u64::from(r.max_rings) => format!(
-            "memory-budget: {} ring(s) of {} now (connections past them are closed within \
-             a tick)",
-            budget / ring.max(1),
+        "rings" if rings < planned => format!(
+            "memory-budget: {rings} ring(s) of {} now (connections past them are closed \
+             within a tick)",
             format_size(ring)
         ),
         "rings" => format!(
@@ -689,7 +682,7 @@ fn exit_code(e: &anyhow::Error) -> u8 {
             || cause.downcast_ref::<NetdevError>().is_some()
             || cause
                 .downcast_ref::<ipoib_ctl::iblink::LinkError>()
-                .is_some_and(|l| !matches!(l, ipoib_ctl::iblink::LinkError::Sysfs { .. }))
+                .is_some()
         {
             return exit::BAD_INPUT;
         }
