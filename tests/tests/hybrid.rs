@@ -202,13 +202,24 @@ impl SmallUdp {
     }
 }
 
+/// When [`PacedUdp`]'s datagrams are due: datagram 0 at `t0`, datagram i i periods later.
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    t0: Instant,
+    period: Duration,
+}
+
+impl Pace {
+    fn due(&self, i: u32) -> Instant {
+        self.t0 + self.period * i
+    }
+}
+
 /// Numbered UDP datagrams of 1200 bytes (over `cm_min_bytes`: they go CM when the peer is up)
 /// from `a` to `b`, one a millisecond (or a `period`), until `finish`; the receiver notes when
 /// each arrived.
 struct PacedUdp {
-    /// When datagram 0 was due; datagram i is due i periods later.
-    t0: Instant,
-    period: Duration,
+    pace: Pace,
     stop: Arc<AtomicBool>,
     sender: std::thread::JoinHandle<u32>,
     receiver: std::thread::JoinHandle<Vec<(u32, Instant)>>,
@@ -229,7 +240,10 @@ impl PacedUdp {
         });
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
-        let t0 = Instant::now();
+        let pace = Pace {
+            t0: Instant::now(),
+            period,
+        };
         let receiver = std::thread::spawn(move || {
             let mut got = Vec::new();
             let mut buf = [0u8; 2048];
@@ -248,7 +262,6 @@ impl PacedUdp {
             move || {
                 in_netns(&ns, move || {
                     let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-                    let t = t0;
                     let mut i = 0u32;
                     while !stop.load(Ordering::Relaxed) {
                         let mut d = [0u8; Self::LEN];
@@ -256,7 +269,7 @@ impl PacedUdp {
                         // A full socket buffer would block: the rate is the sender's own.
                         s.send_to(&d, &addr).expect("send a datagram");
                         i += 1;
-                        let due = t + period * i;
+                        let due = pace.due(i);
                         std::thread::sleep(due.saturating_duration_since(Instant::now()));
                     }
                     i
@@ -264,17 +277,11 @@ impl PacedUdp {
             }
         });
         Self {
-            t0,
-            period,
+            pace,
             stop,
             sender,
             receiver,
         }
-    }
-
-    /// When datagram `i` was due to be sent (datagram i is due i periods after datagram 0).
-    fn due(&self, i: u32) -> Instant {
-        self.t0 + self.period * i
     }
 
     /// Stops; (sent, each datagram received once with when it came).
@@ -832,8 +839,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         },
     );
     let ended = Instant::now();
-    let t0 = udp.due(0);
-    let due = move |i: u32| t0 + Duration::from_millis(u64::from(i));
+    let pace = udp.pace;
     let (sent, got) = udp.finish();
     let total = stream.finish();
 
@@ -849,7 +855,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     let lost_at_kill = (0..sent)
         .filter(|i| !arrived.contains(i))
         .filter(|i| {
-            let t = due(*i);
+            let t = pace.due(*i);
             t + Duration::from_millis(500) >= killed && t <= killed + Duration::from_secs(1)
         })
         .count();
