@@ -157,11 +157,15 @@ impl Device {
 
     /// How many physical ports the device has.
     pub fn port_count(&self) -> Result<u8, VerbsError> {
+        Ok(self.query_device()?.phys_port_cnt)
+    }
+
+    fn query_device(&self) -> Result<ffi::ibv_device_attr, VerbsError> {
         let mut attr = ffi::ibv_device_attr::default();
         // SAFETY: valid context and out pointer.
         let rc = unsafe { ffi::ibv_query_device(self.ctx.ctx, &mut attr) };
         self.ctx.check("ibv_query_device", rc)?;
-        Ok(attr.phys_port_cnt)
+        Ok(attr)
     }
 
     /// The port's P_Key table, in host order (ibv_query_pkey answers in network order).
@@ -205,10 +209,7 @@ impl Device {
     /// The limits the memory plan needs (one ibv_query_device; `discover` reads every
     /// device, port and GID besides).
     pub fn limits(&self) -> Result<crate::plan::HcaLimits, VerbsError> {
-        let mut attr = ffi::ibv_device_attr::default();
-        // SAFETY: valid context and out pointer.
-        let rc = unsafe { ffi::ibv_query_device(self.ctx.ctx, &mut attr) };
-        self.ctx.check("ibv_query_device", rc)?;
+        let attr = self.query_device()?;
         let n = |v: i32| v.max(0) as u64;
         Ok(crate::plan::HcaLimits {
             max_qp: n(attr.max_qp),
