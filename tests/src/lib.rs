@@ -1,6 +1,7 @@
 //! Test support: exact IPoIB and Ethernet frames, and a harness that runs the real eBPF
 //! programs in the running kernel with BPF_PROG_TEST_RUN.
 
+pub mod bench;
 pub mod cmlab;
 pub mod lab;
 pub mod perftest;

@@ -12,7 +12,7 @@ use aya::{
 use clap::Parser;
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
 use ipoib_ctl::datapath::BASELINE_OBJECT;
-use ipoib_tests::*;
+use ipoib_tests::{bench::median, *};
 
 #[derive(Parser)]
 #[command(about = "ns/packet of the fast path vs trivial programs (BPF_PROG_TEST_RUN)")]
@@ -32,11 +32,6 @@ struct Scenario {
     expect_egress: u32,
     egress_frame: Vec<u8>,
     ingress_frame: Vec<u8>,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn ns(d: Duration) -> f64 {
@@ -139,7 +134,7 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     let mut all_within = true;
     for (si, s) in scenarios.iter().enumerate() {
-        let m: Vec<f64> = samples[si].iter_mut().map(|v| median(v)).collect();
+        let m: Vec<f64> = samples[si].iter().map(|v| median(v)).collect();
         let (re, ri) = (m[0] / m[1].max(1.0), m[2] / m[3].max(1.0));
         all_within &= re <= 2.0 && ri <= 2.0;
         println!(

@@ -25,6 +25,7 @@ use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
 use ipoib_ctl::{engine::EngineConfig, verbs::Device};
 use ipoib_tests::{
+    bench::{TICKS_PER_S, busy_ticks},
     cmlab::rxe_device,
     lab::{Lab, Node, Which, json_u64},
     perftest::SendBw,
@@ -39,22 +40,6 @@ struct Args {
     /// Interleaved rounds (CM, then UD); the median of each is reported.
     #[arg(long, default_value_t = 3)]
     rounds: u32,
-}
-
-/// Busy ticks of all CPUs.
-fn cpu() -> Result<u64> {
-    let stat = std::fs::read_to_string("/proc/stat")?;
-    let v: Vec<u64> = stat
-        .lines()
-        .next()
-        .context("/proc/stat")?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    ensure!(v.len() >= 5, "/proc/stat: {v:?}");
-    let idle = v[3] + v[4];
-    Ok(v.iter().sum::<u64>() - idle)
 }
 
 fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
@@ -96,13 +81,13 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     };
     let e0 = engine(a)?;
     let t0 = Instant::now();
-    let busy0 = cpu()?;
+    let busy0 = busy_ticks()?;
     let out = a
         .cmd("iperf3")
         .args(["-c", &b_ip, "-p", "5210", "-t", &secs.to_string(), "-J"])
         .output()
         .context("iperf3 client")?;
-    let busy1 = cpu()?;
+    let busy1 = busy_ticks()?;
     let secs_run = t0.elapsed().as_secs_f64();
     let e1 = engine(a)?;
     ensure!(
@@ -118,9 +103,7 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         .unwrap_or(0.0);
     let d = |k: &str| after[k].as_u64().unwrap_or(0) - before[k].as_u64().unwrap_or(0);
     let (cm, ud) = (d("tx_cm_bytes") as f64, d("tx_ud_bytes") as f64);
-    // /proc/stat counts in USER_HZ (1/100 s), summed over every CPU.
-    let hz = 100.0;
-    let cpu_s = (busy1 - busy0) as f64 / hz;
+    let cpu_s = (busy1 - busy0) as f64 / TICKS_PER_S;
     Ok(Run {
         mbit_s: bps / 1e6,
         cpu_s_per_gb: cpu_s / (bytes / 1e9),
