@@ -6,6 +6,7 @@ pub mod cmlab;
 pub mod lab;
 pub mod perftest;
 pub mod programs;
+pub mod sim;
 
 use std::net::IpAddr;
 

@@ -24,6 +24,8 @@ use clap::{Parser, Subcommand};
                   cargo xtask provision      install what builds and tests need\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
+                  cargo xtask bench hop      TCP through the engine's TUN hop vs veth stand-ins for UD\n  \
+                  cargo xtask bench tick     the policy's tick at 4096 peers (release)\n  \
                   cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)\n  \
                   cargo xtask bench engine   TCP over CM (SRQ, rings) vs UD between the lab's nodes (VM)\n  \
                   cargo xtask bench memory   receive memory against peers: SRQ, rings, the kernel (VM)"
@@ -125,6 +127,33 @@ enum Bench {
         #[arg(long, default_value_t = 3)]
         rounds: u32,
     },
+    /// On this machine's kernel (root): TCP between two namespaces through the engine's TUN
+    /// hop (two TUN devices and a relay), over the kernel's UD stand-ins (veth at MTU 2044
+    /// without offloads, at 4092 with software GSO and GRO) and over a plain veth, 1 and N
+    /// streams, interleaved: Gbit/s and CPU seconds per GB.
+    Hop {
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 5)]
+        seconds: u32,
+        /// Interleaved rounds; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// Streams of the many-stream case.
+        #[arg(long, default_value_t = 4)]
+        streams: u32,
+    },
+    /// Connected mode's once-a-second tick (the promotion policy and what the node holds) at
+    /// thousands of peers, release build: median, p99 and slowest tick.
+    Tick {
+        #[arg(long, default_value_t = 4096)]
+        peers: u32,
+        /// Connections the plan allows.
+        #[arg(long, default_value_t = 64)]
+        plan: usize,
+        /// Ticks timed.
+        #[arg(long, default_value_t = 600)]
+        ticks: u64,
+    },
     /// In the VM: receive memory registered against connected peers (1, K, 3K) with an SRQ and
     /// with a ring per connection (the kernel's view), beside the kernel's formula and the
     /// plan for 4096 peers.
@@ -187,6 +216,33 @@ fn main() -> Result<()> {
         }
         Cmd::Bench {
             what:
+                Bench::Hop {
+                    seconds,
+                    rounds,
+                    streams,
+                },
+        } => bench_hop(&root, seconds, rounds, streams),
+        Cmd::Bench {
+            what: Bench::Tick { peers, plan, ticks },
+        } => cargo(&root)
+            .args([
+                "run",
+                "--release",
+                "-q",
+                "-p",
+                "ipoib-tests",
+                "--bin",
+                "bench-tick",
+            ])
+            .arg("--")
+            .args(["--peers", &peers.to_string()])
+            .args(["--plan", &plan.to_string()])
+            .args(["--ticks", &ticks.to_string()])
+            .arg("--out")
+            .arg(root.join("target/bench/tick.json"))
+            .status_ok("bench-tick"),
+        Cmd::Bench {
+            what:
                 Bench::Verbs {
                     size,
                     seconds,
@@ -229,6 +285,31 @@ fn bench_verbs(root: &Path, size: u32, seconds: u32, rounds: u32, qps: u32) -> R
     .flat_map(|(k, v)| [k.to_string(), v.to_string()])
     .collect();
     bench_in_vm(root, "bench-verbs", &args, "verbs.json")
+}
+
+fn bench_hop(root: &Path, seconds: u32, rounds: u32, streams: u32) -> Result<()> {
+    if !is_root() {
+        bail!("this benchmark needs root (network namespaces, TUN and veth devices)");
+    }
+    provision::run(provision::Scope::default())?;
+    let out = root.join("target/bench/hop.json");
+    cargo(root)
+        .args([
+            "run",
+            "--release",
+            "-q",
+            "-p",
+            "ipoib-tests",
+            "--bin",
+            "bench-hop",
+        ])
+        .arg("--")
+        .args(["--seconds", &seconds.to_string()])
+        .args(["--rounds", &rounds.to_string()])
+        .args(["--streams", &streams.to_string()])
+        .arg("--out")
+        .arg(&out)
+        .status_ok("bench-hop")
 }
 
 /// Builds benchmark `bin` and what it runs (ipoib-ctl, cm-node) in release mode, runs it in

@@ -141,6 +141,12 @@ pub const PROGRAMS: &[Program] = &[
         "a real bulk TCP flow in the lab and the benchmarks",
     ),
     deb(
+        "ethtool",
+        "ethtool",
+        Host,
+        "the offloads of the UD stand-ins in the hop benchmark",
+    ),
+    deb(
         "bpftool",
         "bpftool",
         Host,
