@@ -561,12 +561,16 @@ impl<K: Ord + Clone> Promoter<K> {
             .values()
             .filter(|p| matches!(p.state, State::Draining { .. }))
             .count();
+        // Made once, at the first candidate that may evict: one pass over the peers per tick,
+        // not one per waiting candidate.
+        let mut evictable = None;
         for c in candidates {
             let why = if held >= max && (freeing > 0 || !c.may_evict) {
                 freeing = freeing.saturating_sub(1);
                 UdWhy::PlanFull
             } else if held >= max {
-                if let Some(vk) = self.victim(now, c.pinned, c.rate) {
+                let victims = evictable.get_or_insert_with(|| self.evictable(now));
+                if let Some(vk) = Self::victim(victims, c.pinned, c.rate) {
                     self.drain(now, &vk, Demotion::Evicted);
                     actions.push(Action::Disconnect(vk, Demotion::Evicted));
                 }
@@ -586,19 +590,30 @@ impl<K: Ord + Clone> Promoter<K> {
         }
     }
 
-    /// The least recently active connection that may be evicted for a candidate of `rate`
-    /// (or a pinned one): held `min_hold`, not pinned, and less than half as busy.
-    fn victim(&self, now: u64, pinned: bool, rate: f64) -> Option<K> {
+    /// The connections that may be evicted (held `min_hold`, not pinned), least recently
+    /// active first (ties in key order), with their rates.
+    fn evictable(&self, now: u64) -> Vec<(f64, K)> {
         let hold = ns(self.cfg.min_hold);
-        self.peers
+        let mut v: Vec<(Option<u64>, f64, K)> = self
+            .peers
             .iter()
-            .filter(|(_, v)| {
-                matches!(v.state, State::Up { since } if now.saturating_sub(since) >= hold)
-                    && v.pin == Pin::Auto
-                    && (pinned || v.rate * 2.0 < rate)
+            .filter(|(_, p)| {
+                matches!(p.state, State::Up { since } if now.saturating_sub(since) >= hold)
+                    && p.pin == Pin::Auto
             })
-            .min_by_key(|(_, v)| v.last_active)
-            .map(|(vk, _)| vk.clone())
+            .map(|(k, p)| (p.last_active, p.rate, k.clone()))
+            .collect();
+        v.sort_by_key(|(active, _, _)| *active);
+        v.into_iter().map(|(_, rate, k)| (rate, k)).collect()
+    }
+
+    /// Takes from `evictable` the first connection that may be evicted for a candidate of
+    /// `rate` (or a pinned one): less than half as busy.
+    fn victim(evictable: &mut Vec<(f64, K)>, pinned: bool, rate: f64) -> Option<K> {
+        let i = evictable
+            .iter()
+            .position(|(r, _)| pinned || r * 2.0 < rate)?;
+        Some(evictable.remove(i).1)
     }
 
     pub fn explain(&self, key: &K) -> Option<Explain> {
@@ -863,6 +878,48 @@ mod tests {
             s.second(&[(1, 200 * MB, 65000, 0)]),
             vec![Action::Connect(1)]
         );
+    }
+
+    #[test]
+    fn candidates_in_one_tick_evict_one_connection_each_least_active_first() {
+        let mut c = cfg(3);
+        c.min_hold = Duration::from_secs(1);
+        c.setup_burst = 8.0;
+        let mut s = Sim::new(c, Mode::Auto);
+        // Bytes/s of peers 1, 2 and 3 (a peer that sends is active).
+        let flows = |r1: u64, r2: u64, r3: u64| {
+            [
+                (1, r1 * MB, 65000, r1 * MB),
+                (2, r2 * MB, 65000, r2 * MB),
+                (3, r3 * MB, 65000, r3 * MB),
+            ]
+        };
+        s.second(&flows(20, 20, 20));
+        let a = s.second(&flows(20, 20, 20));
+        assert_eq!(a.len(), 3, "{a:?}");
+        for k in 1..=3 {
+            s.p.connected(s.now, &k);
+        }
+        // 2 goes quiet first, 1 next; 3 stays busy.
+        s.second(&flows(20, 0, 20));
+        s.second(&flows(0, 0, 20));
+        // Two much busier peers appear at once: each takes one victim, the least recently
+        // active first, and the busy one stays.
+        let hot = |s: &mut Sim| {
+            let mut t = flows(0, 0, 20).to_vec();
+            t.extend([(4, 400 * MB, 65000, 0), (5, 300 * MB, 65000, 0)]);
+            s.second(&t)
+        };
+        hot(&mut s);
+        let a = hot(&mut s);
+        assert_eq!(
+            a,
+            vec![
+                Action::Disconnect(2, Demotion::Evicted),
+                Action::Disconnect(1, Demotion::Evicted)
+            ]
+        );
+        assert!(matches!(s.state(3), State::Up { .. }));
     }
 
     #[test]
