@@ -1,8 +1,9 @@
 //! The CM engine: moves packets between the TUN device and RC connections.
 //!
-//! - Transmit: a packet read from the TUN device (virtio-net header + IP packet, a whole GSO
-//!   super-packet at most 64 KiB) is copied into a registered send slot and posted as one RC
-//!   SEND on the connection of its destination address. Send completions free the slot.
+//! - Transmit: a packet (virtio-net header + IP packet, a whole GSO super-packet at most
+//!   64 KiB) is read from the TUN device straight into a free registered send slot, the one
+//!   copy on this side, and posted from there as one RC SEND on the connection of its
+//!   destination address. Send completions free the slot.
 //! - Receive: every connection receives into the one SRQ, or, on an HCA without one, into a
 //!   ring of its own (the receive's work request id names the ring and the slot: see
 //!   [`crate::verbs::Receive`]); a receive completion's bytes (the same header + packet the
@@ -82,7 +83,7 @@ pub struct EngineStats {
     pub tx_multicast: AtomicU64,
     /// Packets longer than the connection's MTU (dropped).
     pub tx_oversize: AtomicU64,
-    /// Packets dropped because the connection's queue was full or no send slot was free.
+    /// Packets dropped: their connection's queue was full, or they waited on a failed QP.
     pub tx_backpressure: AtomicU64,
     /// Times a connection's queue overflowed and its peer was sent to UD until it drained.
     pub tx_congested: AtomicU64,
@@ -325,6 +326,9 @@ impl Flow {
 }
 
 pub struct Engine {
+    /// Where a TUN read puts what does not fit in a send slot (the packet is then dropped as
+    /// oversize): a packet longer than the read's buffers would fail the read.
+    spill: Vec<u8>,
     tun: Tun,
     core: Core,
     commands: mpsc::UnboundedReceiver<EngineCommand>,
@@ -360,6 +364,9 @@ impl Totals {
             .then(|| self.by_qp.iter().map(|(q, n)| (*q, *n)).collect())
     }
 }
+
+/// Which counter a dropped packet is counted under.
+type Dropped = fn(&EngineStats) -> &AtomicU64;
 
 /// Everything but the TUN device, so the TUN's readiness can be borrowed while packets move.
 struct Core {
@@ -421,6 +428,7 @@ impl Engine {
             .alive_ns
             .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         Ok(Self {
+            spill: vec![0; TUN_READ_MAX],
             tun,
             core: Core {
                 res,
@@ -491,7 +499,6 @@ impl Engine {
         self.core.res.recv_cq.arm()?;
         self.core.completions(&self.tun)?;
         tokio::pin!(stop);
-        let mut buf = vec![0u8; TUN_READ_MAX];
         let mut housekeeping = tokio::time::interval(HOUSEKEEPING);
         housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -515,7 +522,7 @@ impl Engine {
                 }
                 g = tun.readable(), if can_send => {
                     let mut g = g.map_err(&tun_err)?;
-                    if self.read_batch(&mut buf).map_err(&tun_err)? {
+                    if self.read_batch().map_err(&tun_err)? {
                         g.clear_ready();
                     }
                 }
@@ -523,17 +530,35 @@ impl Engine {
         }
     }
 
-    /// Up to 64 packets from the TUN device, each to its connection; true when the device
-    /// has no more (its readiness is then cleared).
-    fn read_batch(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+    /// Up to 64 packets from the TUN device, each read into a free send slot and sent from
+    /// there to its connection; true when the device has no more (its readiness is then
+    /// cleared).
+    fn read_batch(&mut self) -> io::Result<bool> {
         for _ in 0..64 {
-            if self.core.free.is_empty() {
+            let Some(slot) = self.core.free.pop() else {
                 return Ok(false);
-            }
-            match self.tun.recv(buf) {
-                Ok(n) => self.core.transmit(&buf[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
-                Err(e) => return Err(e),
+            };
+            // SAFETY: the slot was free: nothing posted uses it until it is posted by
+            // `transmit` (or given back to `free`), after this slice's last use.
+            let buf = unsafe { self.core.res.send.slot(slot) };
+            let room = buf.len();
+            let read = self.tun.recv_vectored(&mut [
+                io::IoSliceMut::new(buf),
+                io::IoSliceMut::new(&mut self.spill),
+            ]);
+            match read {
+                Ok(n) if n <= room => self.core.transmit(slot, n),
+                Ok(_) => {
+                    self.core.free.push(slot);
+                    Core::count(&self.core.stats.tx_oversize);
+                }
+                Err(e) => {
+                    self.core.free.push(slot);
+                    if e.kind() == io::ErrorKind::WouldBlock {
+                        return Ok(true);
+                    }
+                    return Err(e);
+                }
             }
         }
         Ok(false)
@@ -640,60 +665,62 @@ impl Core {
         }
     }
 
-    /// One packet read from the TUN device: to its connection.
-    fn transmit(&mut self, msg: &[u8]) {
+    /// The packet read into send slot `slot` (`len` bytes): to its connection. The slot is
+    /// posted, queued, or given back free with the reason counted.
+    fn transmit(&mut self, slot: u32, len: usize) {
+        if let Err(why) = self.post_or_queue(slot, len) {
+            self.free.push(slot);
+            Self::count(why(&self.stats));
+        }
+    }
+
+    /// Posts the packet in `slot`, or queues it behind its connection's sends in flight; else
+    /// the counter of why it is dropped.
+    fn post_or_queue(&mut self, slot: u32, len: usize) -> Result<(), Dropped> {
+        let send = &self.res.send;
+        // SAFETY: the slot is this packet's: taken from `free` and not posted yet.
+        let msg = unsafe { &send.slot(slot)[..len] };
         let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
-            return Self::count(&self.stats.tx_malformed);
+            return Err(|s| &s.tx_malformed);
         };
         let multicast = match dst {
             IpAddr::V4(a) => a.is_multicast() || a.is_broadcast(),
             IpAddr::V6(a) => a.is_multicast(),
         };
         if multicast {
-            return Self::count(&self.stats.tx_multicast);
+            return Err(|s| &s.tx_multicast);
         }
         let Some(route) = self.routes.get(&dst) else {
-            return Self::count(&self.stats.tx_no_connection);
+            return Err(|s| &s.tx_no_connection);
         };
-        if msg.len() > route.mtu as usize {
-            return Self::count(&self.stats.tx_oversize);
+        if len > route.mtu as usize {
+            return Err(|s| &s.tx_oversize);
         }
         let qpn = route.qp.qpn();
         let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(dst));
         let full = flow.in_flight >= self.cfg.max_send_wr;
         if full && flow.waiting.len() >= self.cfg.backlog {
             // Past the bound: this packet is lost, the next go UD until the queue drains.
-            Self::count(&self.stats.tx_backpressure);
             if !flow.congested {
                 flow.congested = true;
                 Self::count(&self.stats.tx_congested);
                 self.tell(EngineEvent::Congested(dst));
             }
-            return;
+            return Err(|s| &s.tx_backpressure);
         }
-        let Some(slot) = self.free.pop() else {
-            return Self::count(&self.stats.tx_backpressure);
-        };
-        let send = &self.res.send;
-        // SAFETY: the slot was free: nothing posted uses it until its send completes.
-        unsafe { send.slot(slot)[..msg.len()].copy_from_slice(msg) };
         if full {
-            flow.waiting.push_back((slot, msg.len() as u32));
-            return;
+            flow.waiting.push_back((slot, len as u32));
+            return Ok(());
         }
         flow.in_flight += 1;
-        if let Err(e) = route
-            .qp
-            .post_send(send, slot, msg.len() as u32, u64::from(slot))
-        {
+        if let Err(e) = route.qp.post_send(send, slot, len as u32, u64::from(slot)) {
             flow.in_flight -= 1;
-            self.free.push(slot);
-            Self::count(&self.stats.send_errors);
             tracing::debug!("post_send to {dst}: {e}");
-            return;
+            return Err(|s| &s.send_errors);
         }
         self.sent_on.insert(qpn);
-        self.stats.sent(msg.len());
+        self.stats.sent(len);
+        Ok(())
     }
 
     /// Takes every completion: receives and sends apart.

@@ -158,6 +158,12 @@ impl Tun {
         (&self.file).read(buf)
     }
 
+    /// One packet, as `recv`, into `bufs` in turn (readv): the packet's length, which is
+    /// more than the first buffer holds only when it spilled into the next.
+    pub fn recv_vectored(&self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
+        (&self.file).read_vectored(bufs)
+    }
+
     /// One packet with its vnet header, handed to the stack as received on this device.
     pub fn send(&self, pkt: &[u8]) -> io::Result<usize> {
         (&self.file).write(pkt)
