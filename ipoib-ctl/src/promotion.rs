@@ -1026,6 +1026,19 @@ mod tests {
     }
 
     #[test]
+    fn setups_refill_at_their_rate_after_a_burst() {
+        let mut c = cfg(1000);
+        c.setups_per_sec = 2.0;
+        c.setup_burst = 6.0;
+        let mut s = Sim::new(c, Mode::Auto);
+        let t: Vec<_> = (0..100).map(|k| (k, 50 * MB, 65000, 0)).collect();
+        s.second(&t);
+        let per_tick: Vec<usize> = (0..4).map(|_| s.second(&t).len()).collect();
+        // The burst first (the bucket starts full), then 2 a second.
+        assert_eq!(per_tick, vec![6, 2, 2, 2]);
+    }
+
+    #[test]
     fn a_connection_the_peer_set_up_is_adopted_once() {
         let mut s = Sim::new(cfg(4), Mode::Auto);
         assert!(s.p.accepted(S, 9));
@@ -1123,5 +1136,165 @@ mod tests {
         s.p.closed(s.now, &1);
         assert!(s.p.explain(&1).is_none());
         assert_eq!(s.p.counts(), Counts::default());
+    }
+
+    #[test]
+    fn the_rate_is_bytes_per_second_smoothed_and_a_sample_at_the_same_instant_is_not_one() {
+        let mut s = Sim::new(cfg(8), Mode::Auto);
+        s.second(&[(1, 0, 1, 0)]);
+        s.second(&[(1, 10 * MB, 65000, 0)]);
+        // 10 MB in one second, weighed 0.5 against the rate before (0).
+        assert_eq!(s.p.explain(&1).unwrap().rate, 5.0 * MB as f64);
+        // More bytes, but no time passed: no rate can be taken from it.
+        let t = s.totals[&1];
+        let more = Sample {
+            tx_bytes: t.tx_bytes + MB,
+            tx_packets: t.tx_packets + 16,
+            ..t
+        };
+        s.p.observe(s.now, 1, more);
+        assert_eq!(s.p.explain(&1).unwrap().rate, 5.0 * MB as f64);
+        // 8 MB more over the next 2 s: 4 MB/s, weighed against 5.
+        let later = Sample {
+            tx_bytes: more.tx_bytes + 8 * MB,
+            tx_packets: more.tx_packets + 128,
+            ..more
+        };
+        s.p.observe(s.now + 2 * S, 1, later);
+        assert_eq!(s.p.explain(&1).unwrap().rate, 4.5 * MB as f64);
+    }
+
+    #[test]
+    fn a_connection_is_active_while_bulk_leaves_by_either_path_and_idle_when_nothing_moves() {
+        let mut c = cfg(8);
+        c.idle_after = Duration::from_secs(5);
+        c.min_hold = Duration::from_secs(1);
+        for mode in [Mode::Auto, Mode::Connected] {
+            let mut s = Sim::new(c.clone(), mode);
+            s.second(&[(1, 50 * MB, 65000, 0)]);
+            let a = s.second(&[(1, 50 * MB, 65000, 0)]);
+            assert_eq!(a, vec![Action::Connect(1)], "{mode:?}");
+            s.p.connected(s.now, &1);
+            // Bulk still leaves on UD (a queue draining, say): the connection is wanted.
+            for _ in 0..10 {
+                let a = s.second(&[(1, 50 * MB, 65000, 0)]);
+                assert!(a.is_empty(), "{mode:?}: {a:?}");
+            }
+            // Small packets only (no bulk): not what a connection is for.
+            if mode == Mode::Auto {
+                let mut t = Sim::new(c.clone(), mode);
+                t.second(&[(1, 50 * MB, 65000, 0)]);
+                t.second(&[(1, 50 * MB, 65000, 0)]);
+                t.p.connected(t.now, &1);
+                let reaped = (0..10).any(|_| {
+                    t.second(&[(1, 100_000, 100, 0)]) == vec![Action::Disconnect(1, Demotion::Idle)]
+                });
+                assert!(reaped, "small packets kept a connection");
+            }
+            // Nothing moves either way: reaped once idle.
+            let reaped = (0..10)
+                .any(|_| s.second(&[(1, 0, 1, 0)]) == vec![Action::Disconnect(1, Demotion::Idle)]);
+            assert!(reaped, "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn in_connected_mode_a_peer_is_worth_a_connection_until_idle_after() {
+        let mut c = cfg(0);
+        c.idle_after = Duration::from_secs(5);
+        let mut s = Sim::new(c, Mode::Connected);
+        s.second(&[(1, 0, 1, 0)]);
+        s.second(&[(1, 1000, 100, 0)]);
+        let why = |s: &Sim| s.p.explain(&1).unwrap().why;
+        // Worth it (the plan is what stops it) for 5 s after it last sent, not at 5 s.
+        for _ in 0..4 {
+            s.second(&[]);
+            assert_eq!(why(&s), Some(UdWhy::NoPlan));
+        }
+        s.second(&[]);
+        assert_eq!(why(&s), Some(UdWhy::BelowThreshold));
+    }
+
+    #[test]
+    fn promotions_are_counted() {
+        let mut s = Sim::new(cfg(8), Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        assert_eq!(s.p.explain(&1).unwrap().promotions, 1);
+    }
+
+    #[test]
+    fn a_pinned_connection_is_never_evicted() {
+        let mut c = cfg(1);
+        c.min_hold = Duration::from_secs(1);
+        let mut s = Sim::new(c, Mode::Auto);
+        s.p.set_pin(7, Pin::Cm);
+        assert_eq!(s.second(&[]), vec![Action::Connect(7)]);
+        s.p.connected(s.now, &7);
+        for _ in 0..10 {
+            let a = s.second(&[(7, 0, 1, 0), (8, 900 * MB, 65000, 0)]);
+            assert!(a.is_empty(), "{a:?}");
+        }
+        assert_eq!(s.p.explain(&8).unwrap().why, Some(UdWhy::PlanFull));
+    }
+
+    #[test]
+    fn eviction_needs_more_than_twice_the_rate() {
+        let mut c = cfg(1);
+        c.min_hold = Duration::from_secs(1);
+        // No smoothing: the rate is the last second's.
+        c.smoothing = 1.0;
+        let mut s = Sim::new(c, Mode::Auto);
+        s.second(&[(1, 10 * MB, 65000, 0)]);
+        assert_eq!(
+            s.second(&[(1, 10 * MB, 65000, 0)]),
+            vec![Action::Connect(1)]
+        );
+        s.p.connected(s.now, &1);
+        for _ in 0..5 {
+            let a = s.second(&[(1, 10 * MB, 65000, 10 * MB), (2, 20 * MB, 65000, 0)]);
+            assert!(a.is_empty(), "exactly twice the rate evicts nobody: {a:?}");
+        }
+        let a = s.second(&[(1, 10 * MB, 65000, 10 * MB), (2, 21 * MB, 65000, 0)]);
+        assert_eq!(a, vec![Action::Disconnect(1, Demotion::Evicted)]);
+    }
+
+    #[test]
+    fn counts_has_every_state() {
+        let mut c = cfg(8);
+        c.backoff_initial = Duration::from_secs(60);
+        let mut s = Sim::new(c, Mode::Auto);
+        let bulk = |k| (k, 50 * MB, 65000, 0);
+        s.second(&[bulk(1), bulk(2), bulk(3), bulk(4), (5, 1000, 100, 0)]);
+        s.second(&[bulk(1), bulk(2), bulk(3), bulk(4), (5, 1000, 100, 0)]);
+        // 1 stays connecting; 2 is up; 3 is up and then draining; 4 failed; 5 is UD.
+        s.p.connected(s.now, &2);
+        s.p.connected(s.now, &3);
+        s.p.set_pin(3, Pin::Ud);
+        s.p.failed(s.now, &4, Failure::Timeout);
+        s.second(&[]);
+        assert_eq!(
+            s.p.counts(),
+            Counts {
+                ud: 1,
+                connecting: 1,
+                up: 1,
+                draining: 1,
+                backoff: 1
+            }
+        );
+    }
+
+    #[test]
+    fn forgetting_a_peer_that_is_connecting_or_draining_keeps_it_until_it_is_closed() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        assert_eq!(s.p.forget(s.now, &1), None);
+        assert!(matches!(s.state(1), State::Connecting { .. }));
+        s.p.connected(s.now, &1);
+        s.p.forget(s.now, &1);
+        assert_eq!(s.p.forget(s.now, &1), None, "already draining");
+        assert!(matches!(s.state(1), State::Draining { .. }));
     }
 }

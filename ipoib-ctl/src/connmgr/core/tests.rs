@@ -235,6 +235,7 @@ fn datagram_mode_takes_every_connection_down() {
 #[test]
 fn a_lowered_cap_refuses_setups_and_sheds_connections() {
     let mut c = core(2);
+    assert_eq!(c.max_connections(), 2);
     let t = up(&mut c, ip(2), 77, 2);
     c.handle_established(t * SEC, ip(3), 90);
     assert_eq!(drain(&mut c), [Command::AddRoute { ip: ip(3), qpn: 90 }]);
@@ -284,6 +285,8 @@ fn the_srq_limit_is_counted_and_armed_again_once_refilled() {
     let mut c = core(4);
     c.handle_srq_limit();
     assert_eq!(c.srq_low_events(), 1);
+    c.handle_srq_limit();
+    assert_eq!(c.srq_low_events(), 2, "each event counted");
     let low = TickInput {
         mode: Some(Mode::Auto),
         max_connections: 4,
