@@ -401,6 +401,48 @@ mod tests {
         assert!(p.memory_bytes <= 384 * MIB);
     }
 
+    /// One CM message in whole pages; two completions kept per send slot.
+    #[test]
+    fn buffer_stride_and_send_reserve() {
+        assert_eq!(CM_BUF_STRIDE, 65536);
+        assert_eq!(CM_BUF_STRIDE % PAGE_SIZE, 0);
+        assert_eq!(CQ_SEND_RESERVE, 512);
+    }
+
+    /// Rings: K rings of `ring` buffers are what is registered, and the reason for UD names
+    /// what was short.
+    #[test]
+    fn rings_memory_and_why_not() {
+        let p = plan(&no_srq(), 24 * GIB, Some(20 * MIB));
+        assert_eq!(p.kind, PlanKind::PerConnection);
+        assert_eq!(p.max_cm_peers, 5);
+        assert_eq!(p.memory_bytes, 5 * p.ring * p.buffer_cost);
+        let p = plan(&no_srq(), 24 * GIB, Some(2 * MIB));
+        assert!(p.why.contains("does not fit the budget"), "{}", p.why);
+        let cq = HcaLimits {
+            max_cqe: 63 + CQ_SEND_RESERVE,
+            ..no_srq()
+        };
+        for budget in [None, Some(RING_PER_CONNECTION * CM_BUF_STRIDE)] {
+            // With no budget given, or exactly one ring's: the queue is what was short.
+            let p = plan(&cq, 24 * GIB, budget);
+            assert!(
+                p.why.contains("does not fit the completion queue"),
+                "{budget:?}: {}",
+                p.why
+            );
+        }
+    }
+
+    /// An SRQ of exactly the smallest depth is still an SRQ.
+    #[test]
+    fn the_smallest_srq_is_planned() {
+        let p = plan(&rxe(), 24 * GIB, Some(MIN_SRQ_DEPTH * CM_BUF_STRIDE));
+        assert_eq!((p.kind, p.ring), (PlanKind::Srq, MIN_SRQ_DEPTH));
+        let p = plan(&rxe(), 24 * GIB, Some(MIN_SRQ_DEPTH * CM_BUF_STRIDE - 1));
+        assert_eq!(p.kind, PlanKind::UdOnly);
+    }
+
     /// `--srq off` plans rings on an HCA that has an SRQ, as if it had none.
     #[test]
     fn srq_off_plans_rings_as_without_an_srq() {

@@ -114,10 +114,9 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
         Some(i) => (&s[..i], &s[i..]),
         None => (s, "s"),
     };
+    // Digits and dots only: never negative; too many digits parse as infinity, which
+    // try_from_secs_f64 refuses.
     let n: f64 = num.parse().ok()?;
-    if !n.is_finite() || n < 0.0 {
-        return None;
-    }
     let secs = match unit {
         "ms" => n / 1000.0,
         "s" => n,
@@ -507,5 +506,46 @@ mod tests {
         assert_eq!(parse_duration("3"), Some(Duration::from_secs(3)));
         assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_duration(&"9".repeat(400)), None, "infinite");
+        assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_size("4k"), Some(4096));
+        assert_eq!(parse_size("4KiB"), Some(4096));
+        assert_eq!(parse_size("3m"), Some(3 << 20));
+        for (b, text) in [
+            (0, "0"),
+            (1536, "1536"),
+            (2048, "2KiB"),
+            (3 << 20, "3MiB"),
+            ((1 << 30) + (1 << 20), "1025MiB"),
+        ] {
+            assert_eq!(format_size(b), text);
+        }
+    }
+
+    #[test]
+    fn modes_by_number_and_name() {
+        for m in [Mode::Auto, Mode::Datagram, Mode::Connected] {
+            assert_eq!(Mode::from_raw(m.raw()), Some(m));
+            assert_eq!(parse_mode(&m.to_string()).unwrap(), m);
+        }
+        assert_eq!(Mode::Datagram.raw(), global_mode::DATAGRAM);
+        assert_eq!(Mode::Connected.raw(), global_mode::CONNECTED);
+        assert_eq!(Mode::from_raw(7), None);
+        assert!(!parse_on_off("off").unwrap());
+        assert!(!parse_on_off("no").unwrap());
+        assert!(parse_on_off("on").unwrap());
+    }
+
+    /// Only a CM pin conflicts with datagram mode; a CM pin is fine otherwise.
+    #[test]
+    fn pins_and_datagram_mode() {
+        let base = Policy::new(ARPHRD_INFINIBAND);
+        let c = parse(&["mode=datagram", "peer=10.0.0.7:ud"]).unwrap();
+        assert!(c.apply(&base, c.peers.clone()).is_ok());
+        let c = parse(&["mode=auto", "peer=10.0.0.7:cm"]).unwrap();
+        assert!(c.apply(&base, c.peers.clone()).is_ok());
     }
 }

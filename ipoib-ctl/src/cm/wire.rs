@@ -449,6 +449,45 @@ mod tests {
     }
 
     #[test]
+    fn every_reject_reason_round_trips_and_only_busy_and_no_resources_are_transient() {
+        use RejectReason::*;
+        for (reason, transient) in [
+            (Malformed, false),
+            (Version, false),
+            (Busy, true),
+            (Crossing, false),
+            (NoResources, true),
+            (Policy, false),
+        ] {
+            let rej = Msg::Rej {
+                ud_qpn: 0x48,
+                recv_mtu: 65524,
+                reason,
+            };
+            assert_eq!(Msg::decode(&rej.encode()), Ok(rej));
+            assert_eq!(reason.transient(), transient, "{reason:?}");
+        }
+    }
+
+    #[test]
+    fn a_rej_says_version_for_a_version_and_malformed_for_the_rest() {
+        assert_eq!(WireError::Version(2).reason(), RejectReason::Version);
+        assert_eq!(WireError::Magic(*b"XPHC").reason(), RejectReason::Malformed);
+        assert_eq!(WireError::Gid.reason(), RejectReason::Malformed);
+    }
+
+    /// The largest PSN (24 bits) is a PSN.
+    #[test]
+    fn the_largest_psn_decodes() {
+        let mut b = Msg::Req(hello()).encode();
+        b[20..24].copy_from_slice(&0x00ff_ffffu32.to_be_bytes());
+        let Ok(Msg::Req(h)) = Msg::decode(&b) else {
+            panic!("{:?}", Msg::decode(&b))
+        };
+        assert_eq!(h.rc.psn, 0x00ff_ffff);
+    }
+
+    #[test]
     fn tie_break_is_antisymmetric() {
         let a = HwAddr {
             gid: [1; 16],
