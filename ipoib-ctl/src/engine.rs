@@ -15,10 +15,12 @@
 //! side; the RC transport's ICRC protects the bytes).
 //!
 //! Backpressure: each connection has at most `max_send_wr` sends in flight; past that its
-//! packets wait in a bounded queue (already in their send slot) and are posted as its sends
-//! complete. When the queue is full the packet is dropped and counted, and the engine reports
-//! [`EngineEvent::Congested`]: the control plane marks the peer UD, so the next packets go
-//! over UD at once; [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause
+//! packets wait in a queue (already in their send slot) and are posted as its sends complete.
+//! Past `backlog` waiting the engine reports [`EngineEvent::Congested`]: the control plane
+//! marks the peer UD, so the next packets go over UD at once; what the engine has already
+//! read still goes over the connection, in order, as long as `spare_slots` send slots stay
+//! free for the other connections, if any (past that a packet is dropped and counted): a
+//! switch to UD loses nothing. [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause
 //! while no send slot is free. A send that completes in error reports
 //! [`EngineEvent::QpError`] once per QP.
 //!
@@ -83,7 +85,8 @@ pub struct EngineStats {
     pub tx_multicast: AtomicU64,
     /// Packets longer than the connection's MTU (dropped).
     pub tx_oversize: AtomicU64,
-    /// Packets dropped: their connection's queue was full, or they waited on a failed QP.
+    /// Packets dropped: a congested connection's queue met `spare_slots`, or they waited on a
+    /// failed QP.
     pub tx_backpressure: AtomicU64,
     /// Times a connection's queue overflowed and its peer was sent to UD until it drained.
     pub tx_congested: AtomicU64,
@@ -263,8 +266,12 @@ impl EngineControl {
 pub struct EngineConfig {
     /// Sends in flight per connection (the QPs' `max_send_wr`).
     pub max_send_wr: u32,
-    /// Packets that may wait per connection when its sends are all in flight.
+    /// Packets waiting per connection, when its sends are all in flight, past which its peer
+    /// is sent UD until the queue drains.
     pub backlog: usize,
+    /// Send slots a congested connection leaves free for the others (when there are others):
+    /// its packets past `backlog` still wait while more are free, and are dropped after.
+    pub spare_slots: usize,
 }
 
 impl Default for EngineConfig {
@@ -272,6 +279,7 @@ impl Default for EngineConfig {
         Self {
             max_send_wr: 64,
             backlog: 128,
+            spare_slots: 32,
         }
     }
 }
@@ -699,14 +707,23 @@ impl Core {
         let qpn = route.qp.qpn();
         let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(dst));
         let full = flow.in_flight >= self.cfg.max_send_wr;
+        // Past the bound the next packets go UD until the queue drains; this one, already
+        // read, still waits its turn while slots are left for the other connections.
         if full && flow.waiting.len() >= self.cfg.backlog {
-            // Past the bound: this packet is lost, the next go UD until the queue drains.
-            if !flow.congested {
-                flow.congested = true;
+            // Slots are kept back only where another connection may need them.
+            let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
+            if keep {
+                flow.waiting.push_back((slot, len as u32));
+            }
+            if !std::mem::replace(&mut flow.congested, true) {
                 Self::count(&self.stats.tx_congested);
                 self.tell(EngineEvent::Congested(dst));
             }
-            return Err(|s| &s.tx_backpressure);
+            return if keep {
+                Ok(())
+            } else {
+                Err(|s| &s.tx_backpressure)
+            };
         }
         if full {
             flow.waiting.push_back((slot, len as u32));

@@ -829,14 +829,26 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
             .and_then(|s| cm_peer(s, &b_ip).map(|p| p.why.clone()))
     );
     let restarted = Instant::now();
+    let mut up_again = Duration::ZERO;
     let after_restart = sample_while(
         || stream.received(),
         || {
             attach(&mut lab, Which::A, recv, &dev, &[]);
             a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
                 .expect("promoted again after the restart");
+            up_again = restarted.elapsed();
             std::thread::sleep(Duration::from_secs(2));
         },
+    );
+    // What the new loop's engine met once B was CM again: an overflow drops a packet and
+    // sends the flow UD while the queue drains (by design), which TCP must recover from.
+    let now = read_status(&a.iface);
+    eprintln!(
+        "after the restart: B cm_up again at {up_again:.1?}; the new loop's engine: queue \
+         overflows {:?}, backpressure drops {:?}, no-connection drops {:?}",
+        now.as_ref().map(|s| engine_count(s, "tx_congested")),
+        now.as_ref().map(|s| engine_count(s, "tx_backpressure")),
+        now.as_ref().map(|s| engine_count(s, "tx_no_connection")),
     );
     let ended = Instant::now();
     let pace = udp.pace;
