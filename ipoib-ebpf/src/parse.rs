@@ -1,6 +1,10 @@
 //! Bounds-checked parsing of IPoIB and Ethernet frames, shared by both programs.
 //!
 //! Every read goes through [`ptr_at`], which the verifier sees as a packet-bounds check.
+//!
+//! Hand-written rather than on network-types' header structs: IPoIB's framing (a 20-byte
+//! pseudo address and a 4-byte header) is not among them, and the IP fields read here are a
+//! handful at fixed offsets, each through the same bounds check.
 
 use core::mem::size_of;
 
