@@ -16,7 +16,7 @@ use ipoib_ctl::{
     iblink::IbLink,
     netdev::Netdev,
     plan::SrqChoice,
-    policy::PolicyChange,
+    policy::{PolicyChange, PolicyError},
     status,
 };
 
@@ -62,8 +62,20 @@ enum Cmd {
     Attach {
         iface: String,
         /// Policy file (KEY=VALUE lines, as set-policy takes them).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         policy: Option<PathBuf>,
+        /// As --policy, but a file that does not exist is no error: the systemd unit passes
+        /// /etc/ipoib-ctl/IFACE.policy.
+        #[arg(long, value_name = "FILE", conflicts_with = "policy")]
+        policy_if_present: Option<PathBuf>,
+        /// Write Prometheus metrics every 5 s to DIR/ipoib-ctl-IFACE.prom, replaced whole
+        /// (node_exporter's textfile directory, e.g. /var/lib/prometheus/node-exporter).
+        #[arg(long, value_name = "DIR")]
+        metrics_textfile: Option<PathBuf>,
+        /// Per-peer series in the metrics too (a series per peer and path: thousands on a
+        /// large cluster).
+        #[arg(long, requires = "metrics_textfile")]
+        metrics_peers: bool,
         #[command(flatten)]
         cm: CmArgs,
     },
@@ -81,11 +93,17 @@ enum Cmd {
         max-connections=N              CM connections at most, below the memory plan (takes effect live)\n  \
         peer=ADDR:ud|cm|auto|block     per-peer override (repeatable; [v6]:pin or v6:pin)\n\n\
         Examples:\n  ipoib-ctl set-policy ib0 mode=datagram\n  \
-        ipoib-ctl set-policy ib0 cm-threshold=4096 peer=10.0.0.7:ud peer=[fd00::9]:block")]
+        ipoib-ctl set-policy ib0 cm-threshold=4096 peer=10.0.0.7:ud peer=[fd00::9]:block\n  \
+        ipoib-ctl set-policy ib0 --file /etc/ipoib-ctl/ib0.policy")]
     SetPolicy {
         iface: String,
-        #[arg(required = true, value_name = "KEY=VALUE")]
+        #[arg(required_unless_present = "file", value_name = "KEY=VALUE")]
         settings: Vec<String>,
+        /// Take the settings from a policy file first (KEY=VALUE lines, # comments), then
+        /// the words; `systemctl reload` runs it. Keys the file no longer names keep their
+        /// value.
+        #[arg(long, value_name = "FILE")]
+        file: Option<PathBuf>,
     },
     /// Print the policy in force on IFACE.
     #[command(after_help = "Example:\n  ipoib-ctl show-policy ib0 --json")]
@@ -117,6 +135,18 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = SrqChoice::Auto, value_name = "WHEN")]
         srq: SrqChoice,
     },
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell).
+    #[command(after_help = "Examples:\n  \
+        ipoib-ctl completions bash > /usr/share/bash-completion/completions/ipoib-ctl\n  \
+        ipoib-ctl completions zsh > /usr/share/zsh/vendor-completions/_ipoib-ctl")]
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page in roff: ipoib-ctl(8), or ipoib-ctl-SUBCOMMAND(8) (`cargo xtask
+    /// install` puts them in place).
+    #[command(hide = true)]
+    Man { subcommand: Option<String> },
     /// Per-peer mode, pin and traffic by path on IFACE.
     #[command(after_help = "Example:\n  ipoib-ctl peers ib0 --json")]
     Peers {
@@ -338,22 +368,38 @@ fn lock_iface(iface: &str) -> Result<File> {
     Ok(f)
 }
 
-fn cmd_attach(iface: &str, policy: Option<PathBuf>, cm: &CmArgs) -> Result<()> {
-    let change = match policy {
-        Some(path) => {
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading policy file {}", path.display()))?;
-            Some(
-                PolicyChange::parse_file(&text)
-                    .with_context(|| format!("policy file {}", path.display()))?,
-            )
+fn cmd_attach(
+    iface: &str,
+    policy: Option<PathBuf>,
+    policy_if_present: Option<PathBuf>,
+    metrics: Option<daemon::MetricsOut>,
+    cm: &CmArgs,
+) -> Result<()> {
+    if let Some(m) = &metrics
+        && !m.dir.is_dir()
+    {
+        return Err(AttachError::Policy(PolicyError::Invalid {
+            key: "--metrics-textfile",
+            value: m.dir.display().to_string(),
+            why: "not a directory".into(),
+        })
+        .into());
+    }
+    let change = match (policy, policy_if_present) {
+        (Some(path), _) => PolicyChange::read_file(&path, false, &[])?,
+        (None, Some(path)) => {
+            let c = PolicyChange::read_file(&path, true, &[])?;
+            if c.is_none() {
+                tracing::info!("no policy file {}: the defaults", path.display());
+            }
+            c
         }
-        None => None,
+        (None, None) => None,
     };
     let dev = Netdev::lookup(iface)?;
     dev.check_attachable()?;
     let lock = lock_iface(iface)?;
-    let result = control_loop(iface, &dev, change.as_ref(), cm);
+    let result = control_loop(iface, &dev, change.as_ref(), metrics, cm);
     drop(lock);
     let _ = std::fs::remove_file(lock_path(iface));
     result
@@ -367,6 +413,7 @@ fn control_loop(
     iface: &str,
     dev: &Netdev,
     change: Option<&PolicyChange>,
+    metrics: Option<daemon::MetricsOut>,
     cm_args: &CmArgs,
 ) -> Result<()> {
     let link = ib_link(iface, dev, cm_args)?;
@@ -380,11 +427,19 @@ fn control_loop(
     }
     let att = attach::attach(dev, change)?;
     // Connected mode: explicit (--cm-device) must work; found by itself, it may fail to UD.
-    let cm = cm_options(iface, dev, cm_args, link.as_ref(), &att)?.map(|options| daemon::CmSetup {
-        options,
-        required: cm_args.cm_device.is_some(),
-    });
-    daemon::run(iface, att, cm)?;
+    let cm = cm_options(iface, dev, cm_args, link.as_ref(), &att)?
+        .map(|options| daemon::CmSetup {
+            options,
+            required: cm_args.cm_device.is_some(),
+        })
+        .ok_or_else(|| {
+            if cm_args.no_cm {
+                "--no-cm".to_owned()
+            } else {
+                format!("no RDMA device under {iface}")
+            }
+        });
+    daemon::run(iface, att, cm, metrics)?;
     Ok(())
 }
 
@@ -407,13 +462,30 @@ fn attached_ifaces() -> Vec<String> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Attach { iface, policy, cm } => cmd_attach(&iface, policy, &cm),
+        Cmd::Attach {
+            iface,
+            policy,
+            policy_if_present,
+            metrics_textfile,
+            metrics_peers,
+            cm,
+        } => {
+            let metrics = metrics_textfile.map(|dir| daemon::MetricsOut {
+                dir,
+                per_peer: metrics_peers,
+            });
+            cmd_attach(&iface, policy, policy_if_present, metrics, &cm)
+        }
         Cmd::Detach { iface } => {
             attach::detach(&iface)?;
             println!("detached {iface}; traffic continues on the kernel's own path");
             Ok(())
         }
-        Cmd::SetPolicy { iface, settings } => cmd_set_policy(&iface, &settings),
+        Cmd::SetPolicy {
+            iface,
+            settings,
+            file,
+        } => cmd_set_policy(&iface, &settings, file.as_deref()),
         Cmd::ShowPolicy { iface, json } => cmd_show_policy(&iface, json),
         Cmd::Status { iface, json } => cmd_status(iface, json),
         Cmd::Caps {
@@ -421,6 +493,8 @@ fn run(cli: Cli) -> Result<()> {
             memory_budget,
             srq,
         } => caps(json, memory_budget.as_deref(), srq),
+        // Printed before the root check, in main.
+        Cmd::Completions { .. } | Cmd::Man { .. } => Ok(()),
         Cmd::Peers { iface, json } => {
             let peers = status::peers(&attach::open(&iface)?)?;
             if json {
@@ -433,8 +507,11 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn cmd_set_policy(iface: &str, settings: &[String]) -> Result<()> {
-    let change = PolicyChange::parse(settings)?;
+fn cmd_set_policy(iface: &str, settings: &[String], file: Option<&Path>) -> Result<()> {
+    let change = match file {
+        Some(path) => PolicyChange::read_file(path, false, settings)?.unwrap_or_default(),
+        None => PolicyChange::parse(settings)?,
+    };
     if let Some(b) = change.memory_budget {
         check_against_node(b)?;
     }
@@ -481,8 +558,8 @@ fn budget_note(budget: u64, r: &connmgr::ReceiveStatus) -> String {
 
 /// An interface's `memory-budget` must fit the node's budget: the smallest a running attach
 /// was given, else the automatic one.
-fn check_against_node(b: u64) -> Result<(), ipoib_ctl::policy::PolicyError> {
-    use ipoib_ctl::policy::{PolicyError, format_size};
+fn check_against_node(b: u64) -> Result<(), PolicyError> {
+    use ipoib_ctl::policy::format_size;
     let auto = ipoib_ctl::plan::budget(ipoib_ctl::verbs::system_memory(), None).0;
     let shares = ipoib_ctl::ledger::shares_now().unwrap_or_default();
     let node = shares.iter().map(|s| s.node_budget).fold(auto, u64::min);
@@ -708,15 +785,110 @@ fn exit_code(e: &anyhow::Error) -> u8 {
     exit::FAILURE
 }
 
+/// The completion script for `shell` on stdout.
+fn completions(shell: clap_complete::Shell) -> ExitCode {
+    use clap::CommandFactory as _;
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "ipoib-ctl", &mut script);
+    let mut script = String::from_utf8_lossy(&script).into_owned();
+    if shell == clap_complete::Shell::Bash {
+        // clap_complete 4.6 spells a hyphenated binary's subcommand states two ways, so no
+        // subcommand's options complete (clap-rs/clap#6421, open); spell them as its loop does.
+        script = script.replace("ipoib__subcmd__ctl__", "ipoib__ctl__");
+    }
+    print!("{script}");
+    ExitCode::SUCCESS
+}
+
+/// The man page ipoib-ctl(8), or ipoib-ctl-SUB(8) of one subcommand (as git's and cargo's),
+/// in roff on stdout.
+fn man_page(sub: Option<&str>) -> ExitCode {
+    use clap::CommandFactory as _;
+    let cli = Cli::command();
+    let cmd = match sub {
+        None => cli,
+        Some(name) => match cli.find_subcommand(name) {
+            Some(c) => {
+                let full = format!("ipoib-ctl-{name}");
+                c.clone().name(full).version(env!("CARGO_PKG_VERSION"))
+            }
+            None => {
+                eprintln!("ipoib-ctl: no subcommand `{name}`");
+                return ExitCode::from(exit::BAD_INPUT);
+            }
+        },
+    };
+    let mut out = Vec::new();
+    let written = clap_mangen::Man::new(cmd)
+        .section("8")
+        .render(&mut out)
+        .and_then(|()| std::io::Write::write_all(&mut std::io::stdout(), &out));
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ipoib-ctl: writing the man page: {e}");
+            ExitCode::from(exit::FAILURE)
+        }
+    }
+}
+
+/// stderr is the journal's stream (systemd set `JOURNAL_STREAM` to its device and inode):
+/// log to journald natively then, with priorities, as systemd documents.
+fn stderr_is_journal() -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    let Some(want) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Ok(fd) = std::os::fd::AsFd::as_fd(&std::io::stderr()).try_clone_to_owned() else {
+        return false;
+    };
+    File::from(fd)
+        .metadata()
+        .is_ok_and(|m| want.to_str() == Some(&format!("{}:{}", m.dev(), m.ino())))
+}
+
+/// Logs: `RUST_LOG` filters (default `info`); to journald where stderr is the journal's
+/// stream, else to stderr, coloured only on a terminal. True when journald takes them.
+fn init_logs() -> bool {
+    use std::io::IsTerminal as _;
+    use tracing_subscriber::{EnvFilter, layer::SubscriberExt as _, util::SubscriberInitExt as _};
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let journald = stderr_is_journal()
+        .then(tracing_journald::layer)
+        .and_then(Result::ok)
+        .map(|l| {
+            use tracing_journald::{Priority, PriorityMappings};
+            // syslog's levels: info is 6 and debug 7 (the crate's default puts info at 5).
+            l.with_syslog_identifier("ipoib-ctl".to_owned())
+                .with_priority_mappings(PriorityMappings {
+                    info: Priority::Informational,
+                    debug: Priority::Debug,
+                    ..PriorityMappings::new()
+                })
+        });
+    let to_journal = journald.is_some();
+    let fmt = (!to_journal).then(|| {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+    });
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(journald)
+        .with(fmt)
+        .init();
+    to_journal
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Neither needs root: they print what the command line is.
+    match &cli.cmd {
+        Cmd::Completions { shell } => return completions(*shell),
+        Cmd::Man { subcommand } => return man_page(subcommand.as_deref()),
+        _ => {}
+    }
+    let journal = init_logs();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!(
@@ -728,7 +900,12 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ipoib-ctl: {e:#}");
+            if journal {
+                // At the error's priority, not as a line of the stream.
+                tracing::error!("{e:#}");
+            } else {
+                eprintln!("ipoib-ctl: {e:#}");
+            }
             ExitCode::from(exit_code(&e))
         }
     }

@@ -3,7 +3,14 @@
 //! A change is parsed and validated as a whole against the policy in force; only a change
 //! that is valid in full is ever written (see [`PolicyChange::apply`]).
 
-use std::{collections::BTreeMap, fmt, net::IpAddr, str::FromStr, time::Duration};
+use std::{
+    collections::BTreeMap,
+    fmt,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    str::FromStr,
+    time::Duration,
+};
 
 use ipoib_common::{IPOIB_CM_MTU, Policy, global_mode};
 
@@ -43,6 +50,13 @@ pub enum PolicyError {
     PinCmInDatagram { peer: IpAddr },
     #[error("no settings given")]
     Empty,
+    #[error("reading policy file {path}: {why}")]
+    File { path: PathBuf, why: String },
+    #[error("policy file {path}: {error}")]
+    InFile {
+        path: PathBuf,
+        error: Box<PolicyError>,
+    },
 }
 
 /// The interface-wide mode.
@@ -239,6 +253,14 @@ fn parse_max_connections(value: &str) -> Result<u32, PolicyError> {
         })
 }
 
+/// A policy file's settings: one per line, `#` starts a comment.
+fn file_words(text: &str) -> Vec<&str> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
 impl PolicyChange {
     /// Parses `KEY=VALUE` words; nothing is applied here.
     pub fn parse<S: AsRef<str>>(words: &[S]) -> Result<Self, PolicyError> {
@@ -319,12 +341,43 @@ impl PolicyChange {
 
     /// Parses a policy file: `KEY=VALUE` per line, `#` comments, blank lines ignored.
     pub fn parse_file(text: &str) -> Result<Self, PolicyError> {
-        let words: Vec<&str> = text
-            .lines()
-            .map(|l| l.split('#').next().unwrap_or("").trim())
-            .filter(|l| !l.is_empty())
-            .collect();
-        Self::parse(&words)
+        Self::parse(&file_words(text))
+    }
+
+    /// A policy file at `path` and then `words` (set-policy's, on the command line), validated
+    /// as one change: a key both give differently is a conflict. A file that does not exist
+    /// is None where `optional`.
+    pub fn read_file(
+        path: &Path,
+        optional: bool,
+        words: &[String],
+    ) -> Result<Option<Self>, PolicyError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if optional && e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(PolicyError::File {
+                    path: path.to_owned(),
+                    why: e.to_string(),
+                });
+            }
+        };
+        let in_file = |error| PolicyError::InFile {
+            path: path.to_owned(),
+            error: Box::new(error),
+        };
+        let mut all = file_words(&text);
+        // Only comments (a template, say): nothing to change, the defaults hold.
+        let from_file = if all.is_empty() {
+            Self::default()
+        } else {
+            Self::parse(&all).map_err(in_file)?
+        };
+        if words.is_empty() {
+            return Ok(Some(from_file));
+        }
+        all.extend(words.iter().map(String::as_str));
+        Self::parse(&all).map(Some)
     }
 
     /// The policy this change makes of `current`, checked against the pins that will be in
@@ -547,5 +600,57 @@ mod tests {
         assert!(c.apply(&base, c.peers.clone()).is_ok());
         let c = parse(&["mode=auto", "peer=10.0.0.7:cm"]).unwrap();
         assert!(c.apply(&base, c.peers.clone()).is_ok());
+    }
+
+    #[test]
+    fn a_policy_file_is_read_whole_with_the_words_beside_it() {
+        let dir = std::env::temp_dir().join(format!("ipoib-policy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let words = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let missing = dir.join("nosuch.policy");
+        assert_eq!(PolicyChange::read_file(&missing, true, &[]), Ok(None));
+        assert!(matches!(
+            PolicyChange::read_file(&missing, false, &[]),
+            Err(PolicyError::File { path, .. }) if path == missing
+        ));
+        // Comments only: nothing to change (a template must not stop the service).
+        let template = file(
+            "template.policy",
+            "# mode=datagram\n\n   # cm-threshold=4096\n",
+        );
+        assert_eq!(
+            PolicyChange::read_file(&template, false, &[]),
+            Ok(Some(PolicyChange::default()))
+        );
+        let good = file("good.policy", "mode=connected # why\ncm-threshold=2048\n");
+        let c = PolicyChange::read_file(&good, false, &[]).unwrap().unwrap();
+        assert_eq!(
+            (c.mode, c.cm_threshold),
+            (Some(Mode::Connected), Some(2048))
+        );
+        // The words add to the file; a key both give differently is a conflict.
+        let c = PolicyChange::read_file(&good, false, &words(&["ctl-port=5000"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((c.cm_threshold, c.ctl_port), (Some(2048), Some(5000)));
+        assert!(matches!(
+            PolicyChange::read_file(&good, false, &words(&["cm-threshold=4096"])),
+            Err(PolicyError::Conflict { .. })
+        ));
+        // A bad line: the error names the file and the line's problem.
+        let bad = file("bad.policy", "cm-threshold=2048\nmode=turbo\n");
+        let e = PolicyChange::read_file(&bad, true, &[]).unwrap_err();
+        assert!(
+            matches!(&e, PolicyError::InFile { path, error } if *path == bad
+                && matches!(**error, PolicyError::Invalid { key: "mode", .. })),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("bad.policy"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

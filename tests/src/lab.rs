@@ -304,6 +304,16 @@ impl Lab {
 
     /// Starts `ipoib-ctl attach` on any node of the lab, as [`Lab::attach`].
     pub fn attach_node(&mut self, n: &Node, extra: &[&str]) -> Result<u32> {
+        self.attach_node_env(n, extra, &[])
+    }
+
+    /// As [`Lab::attach_node`], with these variables in its environment (`NOTIFY_SOCKET`).
+    pub fn attach_node_env(
+        &mut self,
+        n: &Node,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<u32> {
         let ctl = ctl_path();
         if !ctl.exists() {
             bail!(
@@ -318,6 +328,7 @@ impl Lab {
             .arg("attach")
             .arg(&n.iface)
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()

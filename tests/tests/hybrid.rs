@@ -2185,8 +2185,20 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
     let Some((dev, baseline, mut lab)) = rdma_lab(&test, tag, 2) else {
         return;
     };
-    lab.attach(Which::A, &["--cm-device", &dev, "--test-faults"])
-        .unwrap();
+    // A tells a notify socket what it would tell systemd.
+    let sock = ipoib_tests::notify::NotifySocket::bind(tag).unwrap();
+    let period = Duration::from_secs(2);
+    let (sock_path, usec) = (
+        sock.path().to_str().unwrap().to_owned(),
+        period.as_micros().to_string(),
+    );
+    let node_a = lab.a.clone();
+    lab.attach_node_env(
+        &node_a,
+        &["--cm-device", &dev, "--test-faults"],
+        &[("NOTIFY_SOCKET", &sock_path), ("WATCHDOG_USEC", &usec)],
+    )
+    .unwrap();
     lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
@@ -2231,8 +2243,59 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
     goes_on_over_ud(&a, &b_ip, &fell);
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact", sent >> 20);
+    watchdog_follows_the_engine(&sock, fault, t, period);
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
+}
+
+/// systemd's watchdog (WATCHDOG=1 with the heartbeat) came while the engine turned, and
+/// stopped once a stalled or hung engine withheld the heartbeat (systemd would restart the
+/// unit); a panicked engine took connected mode down, the loop goes on UD and says so.
+fn watchdog_follows_the_engine(
+    sock: &ipoib_tests::notify::NotifySocket,
+    fault: &str,
+    faulted: Instant,
+    period: Duration,
+) {
+    let msgs = sock.messages();
+    let ready = msgs.iter().find(|m| m.has("READY=1")).expect("READY=1");
+    let before = sock.longest_gap("WATCHDOG=1", ready.at, faulted);
+    let now = Instant::now();
+    let last_ping = msgs
+        .iter()
+        .rev()
+        .find(|m| m.has("WATCHDOG=1"))
+        .map(|m| m.at);
+    let statuses: Vec<&str> = msgs.iter().filter_map(|m| m.get("STATUS")).collect();
+    eprintln!(
+        "watchdog: longest gap {before:?} before the fault; last WATCHDOG=1 {:?} before now; \
+         STATUS lines {statuses:?}",
+        last_ping.map(|t| now - t)
+    );
+    assert!(
+        before < period,
+        "WATCHDOG=1 late while the engine turned: {before:?}"
+    );
+    match fault {
+        "stall" | "hang" => {
+            let quiet = now - last_ping.unwrap_or(faulted);
+            assert!(
+                quiet > 3 * period,
+                "WATCHDOG=1 {quiet:?} ago though the engine {fault}s"
+            );
+        }
+        _ => {
+            let gap = sock.longest_gap("WATCHDOG=1", now - 3 * period, now);
+            assert!(
+                gap < period,
+                "the UD-only loop stopped its watchdog: {gap:?}"
+            );
+            assert!(
+                statuses.iter().any(|s| s.contains("every peer on UD")),
+                "{statuses:?}"
+            );
+        }
+    }
 }
 
 #[test]

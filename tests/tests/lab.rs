@@ -496,6 +496,39 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(snapshot(), before);
 
+    // A policy file (`systemctl reload` runs `set-policy --file`): one bad line, a file that
+    // is not there, a file that conflicts with the words beside it: refused whole, exit 2,
+    // the error naming the file.
+    let file = std::env::temp_dir().join(format!("ipoib-bad-{}.policy", std::process::id()));
+    let path = file.to_str().unwrap();
+    for (text, words) in [
+        ("# reload\ncm-threshold=2048\nmode=turbo\n", &[][..]),
+        ("cm-threshold=2048\n", &["cm-threshold=4096"][..]),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        let mut argv = vec!["set-policy", a.iface.as_str(), "--file", path];
+        argv.extend_from_slice(words);
+        let out = a.ctl(&argv).unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text:?} {words:?}: {err}");
+        assert_eq!(snapshot(), before, "{text:?} {words:?} changed the maps");
+    }
+    let out = a
+        .ctl(&["set-policy", &a.iface, "--file", "/nonexistent/ib0.policy"])
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("/nonexistent/ib0.policy"), "{err}");
+    assert_eq!(snapshot(), before);
+    // A good one is applied.
+    std::fs::write(&file, "# reload\ncm-threshold=2048 # bigger\n").unwrap();
+    let out = a.ctl(&["set-policy", &a.iface, "--file", path]).unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let shown = a.ctl(&["show-policy", &a.iface, "--json"]).unwrap();
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["cm_threshold"], 2048, "{shown}");
+    std::fs::remove_file(&file).unwrap();
+
     // Attaching to what cannot be attached.
     assert_eq!(
         a.ctl(&["attach", "nosuch0"]).unwrap().status.code(),
@@ -621,4 +654,125 @@ fn lab_demo_leaves_nothing_behind_on_ctrl_c() {
         !String::from_utf8_lossy(&links.stdout).contains("demo"),
         "links left behind"
     );
+}
+
+/// systemd's notify protocol against a real notify socket: READY comes once, and only when the
+/// fast path is attached and the loop runs; WATCHDOG comes within each period while the loop
+/// turns, and not while the process is stopped; STOPPING on SIGTERM. (A wedged engine stops
+/// it too: `hybrid.rs`, `a_stalled_engine_sends_the_flow_ud`.)
+#[test]
+fn systemd_hears_ready_after_attach_and_a_watchdog_while_the_loop_turns() {
+    use ipoib_tests::notify::NotifySocket;
+    let test = "systemd_hears_ready_after_attach_and_a_watchdog_while_the_loop_turns";
+    let Some(lab) = lab_or_skip(test, "ntf", false) else {
+        return;
+    };
+    let a = lab.a.clone();
+    let sock = NotifySocket::bind("ntf").unwrap();
+    let period = Duration::from_secs(1);
+    let mut child = a
+        .cmd(ipoib_tests::lab::ctl_path().to_str().unwrap())
+        // As the unit starts it, with no policy file in place.
+        .args([
+            "attach",
+            &a.iface,
+            "--policy-if-present",
+            "/nonexistent/ntf.policy",
+        ])
+        .env("NOTIFY_SOCKET", sock.path())
+        .env("WATCHDOG_USEC", period.as_micros().to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // Kills the loop however the test ends; the lab's teardown detaches.
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let start = Instant::now();
+    let ready = loop {
+        if let Some(m) = sock.wait_for("READY=1", start, Duration::from_millis(20)) {
+            break m;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "no READY=1 within 60 s; heard {:?}; its log:\n{}",
+                sock.messages(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+    let child = Kill(child);
+    // Read after READY came: the loop must have said in its state that it runs (it writes
+    // its pid there before it tells systemd).
+    let s = a.status().unwrap();
+    assert!(
+        s.loop_running && s.loop_pid == Some(pid),
+        "READY=1 before the loop ran: {s:#?}"
+    );
+    eprintln!("READY after {:?}: {:?}", ready.at - start, ready.text);
+    assert!(
+        ready.get("STATUS").is_some_and(|s| s.contains(&a.iface)),
+        "{ready:?}"
+    );
+
+    // Turning: a WATCHDOG=1 within every period (the loop beats thrice per period).
+    let t0 = Instant::now();
+    std::thread::sleep(4 * period);
+    let t1 = Instant::now();
+    let gap = sock.longest_gap("WATCHDOG=1", t0, t1);
+    let pings = sock
+        .since(t0)
+        .iter()
+        .filter(|m| m.has("WATCHDOG=1"))
+        .count();
+    eprintln!("{pings} WATCHDOG=1 in {:?}, longest gap {gap:?}", t1 - t0);
+    assert!(
+        gap < period,
+        "{gap:?} without WATCHDOG=1 (period {period:?})"
+    );
+    let readies = sock.messages().iter().filter(|m| m.has("READY=1")).count();
+    assert_eq!(readies, 1, "{:?}", sock.messages());
+
+    // Stopped: nothing, then pings again once it runs.
+    // SAFETY: plain kill(2).
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    std::thread::sleep(2 * period);
+    let resumed = Instant::now();
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    let quiet: Vec<_> = sock
+        .since(stopped + Duration::from_millis(50))
+        .into_iter()
+        .filter(|m| m.at < resumed)
+        .collect();
+    assert!(
+        quiet.iter().all(|m| !m.has("WATCHDOG=1")),
+        "WATCHDOG=1 from a stopped process: {quiet:?}"
+    );
+    assert!(
+        sock.wait_for("WATCHDOG=1", resumed, period).is_some(),
+        "no WATCHDOG=1 within {period:?} of SIGCONT"
+    );
+
+    // SIGTERM: STOPPING=1, then a clean exit.
+    let term = Instant::now();
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    assert!(
+        sock.wait_for("STOPPING=1", term, Duration::from_secs(10))
+            .is_some(),
+        "no STOPPING=1 after SIGTERM: {:?}",
+        sock.since(term)
+    );
+    let mut child = child;
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "{status}");
+    drop(lab);
 }

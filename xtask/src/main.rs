@@ -3,6 +3,7 @@
 //! Everything a fresh machine lacks is installed by `provision`, which every other task runs
 //! first; it is idempotent and a second run does nothing.
 
+mod install;
 mod provision;
 #[cfg(test)]
 mod spawned;
@@ -22,6 +23,7 @@ use clap::{Parser, Subcommand};
     about = "ipoib-hybrid project tasks",
     after_help = "Examples:\n  cargo xtask run            the two-node lab (or attach to ib0 where it exists)\n  \
                   cargo xtask provision      install what builds and tests need\n  \
+                  cargo xtask install        ipoib-ctl, its systemd unit, completions and man pages\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
                   cargo xtask bench hop      TCP through the engine's TUN hop vs veth stand-ins for UD\n  \
@@ -52,6 +54,18 @@ enum Cmd {
         /// instead of booting the soft-RoCE VM.
         #[arg(long)]
         no_vm: bool,
+    },
+    /// Build ipoib-ctl (release) and install it with its systemd unit, shell completions and
+    /// man pages.
+    #[command(after_help = "Examples:\n  cargo xtask install\n  \
+                            cargo xtask install --destdir /tmp/pkg --prefix /usr")]
+    Install {
+        /// Staging root prepended to every path (for a package); `/` installs for real.
+        #[arg(long, default_value = "/")]
+        destdir: PathBuf,
+        /// Prefix of the binary and its shared files (PREFIX/sbin, PREFIX/share).
+        #[arg(long, default_value = "/usr/local")]
+        prefix: PathBuf,
     },
     /// Install the toolchain parts and Debian packages the project needs (idempotent).
     Provision {
@@ -174,6 +188,10 @@ fn main() -> Result<()> {
             no_vm,
         } => run(&root, duration, json, no_vm),
         Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
+        Cmd::Install { destdir, prefix } => {
+            provision::run(provision::Scope { vm: false })?;
+            install::run(&root, &install::Layout { destdir, prefix })
+        }
         Cmd::Test { no_vm, args } => {
             test(&root, &args)?;
             if no_vm {

@@ -133,6 +133,50 @@ pub const PROGRAMS: &[Program] = &[
         Host,
         "loads rdma_rxe (cm tests, cargo xtask run) and tun (VM)",
     ),
+    deb(
+        "unshare",
+        "util-linux",
+        Host,
+        "a mount namespace for the journald test's own journal",
+    ),
+    deb(
+        "stat",
+        "coreutils",
+        Host,
+        "JOURNAL_STREAM in the journald test",
+    ),
+    deb("sh", "dash", Host, "the journald test's script"),
+    // the operator's side: the unit, the journal, the man pages
+    deb(
+        "systemd-analyze",
+        "systemd",
+        Host,
+        "verifies the unit file (its package also brings systemd-journald for the log test)",
+    ),
+    deb(
+        "journalctl",
+        "systemd",
+        Host,
+        "reads what ipoib-ctl logged to journald",
+    ),
+    deb(
+        "systemctl",
+        "systemd",
+        Host,
+        "xtask install: daemon-reload where systemd runs",
+    ),
+    deb(
+        "prometheus-node-exporter",
+        "prometheus-node-exporter",
+        Host,
+        "scrapes the metrics textfile in its test (the textfile collector, over HTTP)",
+    ),
+    deb(
+        "groff",
+        "groff-base",
+        Host,
+        "renders the man pages in their test",
+    ),
     deb("ping", "iputils-ping", Host, "ICMP over UD in the lab"),
     deb(
         "iperf3",
