@@ -236,7 +236,12 @@ impl From<&SetupError> for Failure {
             | SetupError::InProgress
             | SetupError::WrongPeer { .. } => Failure::Rejected,
             SetupError::Timeout(_) => Failure::Timeout,
-            _ => Failure::QpError,
+            SetupError::Io(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                Failure::NotRunning
+            }
+            SetupError::Malformed(_) | SetupError::Unexpected(_) => Failure::NotRunning,
+            SetupError::Io(_) => Failure::Network,
+            SetupError::Verbs(_) => Failure::QpError,
         }
     }
 }
@@ -1199,6 +1204,38 @@ pub fn live_cap(
 #[cfg(test)]
 mod tests {
     use super::live_cap;
+
+    /// What status says of a failed setup comes from here: a refused handshake port is a peer
+    /// without ipoib-hybrid, not a QP error.
+    #[test]
+    fn setup_errors_are_filed_as_what_they_are() {
+        use std::io::{Error, ErrorKind};
+
+        use crate::{
+            cm::{SetupError, wire::RejectReason},
+            promotion::Failure,
+        };
+        let f = |e: SetupError| Failure::from(&e);
+        assert_eq!(
+            f(SetupError::Io(Error::from(ErrorKind::ConnectionRefused))),
+            Failure::NotRunning
+        );
+        assert_eq!(
+            f(SetupError::Unexpected(crate::cm::wire::Kind::Rep)),
+            Failure::NotRunning
+        );
+        assert_eq!(
+            f(SetupError::Io(Error::from(ErrorKind::ConnectionReset))),
+            Failure::Network
+        );
+        assert_eq!(f(SetupError::Timeout("REP")), Failure::Timeout);
+        assert_eq!(f(SetupError::Full), Failure::NoResources);
+        assert_eq!(
+            f(SetupError::Rejected(RejectReason::NoResources)),
+            Failure::NoResources
+        );
+        assert_eq!(f(SetupError::Crossed), Failure::Rejected);
+    }
 
     #[test]
     fn the_policy_only_lowers_the_plans_cap() {

@@ -88,6 +88,26 @@ pub enum Failure {
     Timeout,
     QpError,
     NoResources,
+    /// Nothing of ours answers at the peer: its handshake port refused the TCP connection or
+    /// spoke another protocol (a node without ipoib-hybrid, say during a rolling upgrade).
+    NotRunning,
+    /// The handshake's TCP connection failed otherwise (unreachable, reset).
+    Network,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Failure::Rejected => "the peer refused",
+            Failure::Timeout => "a timeout",
+            Failure::QpError => "a QP error",
+            Failure::NoResources => "the peer had no room",
+            Failure::NotRunning => {
+                "the peer runs no ipoib-hybrid (nothing of ours answers its handshake port)"
+            }
+            Failure::Network => "a network error on the handshake",
+        })
+    }
 }
 
 /// Why we take a connection down.
@@ -207,7 +227,7 @@ impl fmt::Display for Explain {
             State::Draining { why, .. } => write!(f, "ud: closing ({why:?})"),
             State::Backoff { last, .. } => write!(
                 f,
-                "ud: retry after {last:?} ({} failure(s) in a row)",
+                "ud: retry after {last} ({} failure(s) in a row)",
                 self.failures
             ),
             State::Ud { .. } => {

@@ -2312,3 +2312,51 @@ fn a_stalled_engine_sends_the_flow_ud() {
 fn a_hung_engine_sends_the_flow_ud() {
     a_wedged_engine_goes_ud("hang", "hwh", 5332);
 }
+
+/// A peer that runs no ipoib-hybrid (a mixed cluster during a rolling upgrade): A's setups
+/// to it are refused at the handshake port, the flow goes on over UD, and A's status says
+/// what the peer is, not a QP error.
+#[test]
+fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
+    let test = "a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hnr", 2) else {
+        return;
+    };
+    let policy = PolicyFile::new("hnr", "mode=connected\n");
+    attach(
+        &mut lab,
+        Which::A,
+        Recv::Srq,
+        &dev,
+        &["--policy", policy.arg()],
+    );
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5390);
+    let mut seen = None;
+    let said = wait_until(Duration::from_secs(30), || {
+        let p = cm_of(&a)
+            .peers
+            .into_iter()
+            .find(|p| p.addr.to_string() == b_ip);
+        let done = p.as_ref().is_some_and(|p| p.failures >= 1);
+        seen = p;
+        done
+    });
+    let p = seen.expect("A's policy knows B");
+    eprintln!("B at A: {} ({}), {} failure(s)", p.state, p.why, p.failures);
+    assert!(said, "no failed setup to B in 30 s: {p:?}");
+    assert!(
+        p.why.contains("runs no ipoib-hybrid"),
+        "B's setup failure shown as: {}",
+        p.why
+    );
+    // UD, or cm_pending while a retry after the backoff runs (its packets go UD meanwhile).
+    let view = a.peer(&b_ip).unwrap().expect("A knows B");
+    assert_ne!(view.mode, "cm_up", "{view:?}");
+    goes_on_over_ud(&a, &b_ip, &view);
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact over UD", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
