@@ -105,8 +105,10 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         file: Option<PathBuf>,
     },
-    /// Print the policy in force on IFACE.
-    #[command(after_help = "Example:\n  ipoib-ctl show-policy ib0 --json")]
+    /// Print the policy in force on IFACE, as a policy file (`set-policy --file` reads it
+    /// back).
+    #[command(after_help = "Examples:\n  ipoib-ctl show-policy ib0 --json\n  \
+                            ipoib-ctl show-policy ib0 > /etc/ipoib-ctl/ib0.policy")]
     ShowPolicy {
         iface: String,
         #[arg(long)]
@@ -188,11 +190,12 @@ struct CmArgs {
     /// No connected mode: the fast path only, every peer on UD.
     #[arg(long, conflicts_with = "cm_device")]
     no_cm: bool,
-    /// Seconds without traffic over a connection (either way) before it is reaped.
-    #[arg(long, default_value_t = 30.0, value_name = "SECS", value_parser = parse_secs)]
+    /// Time without traffic over a connection (either way) before it is reaped (30s, 2m, ...;
+    /// a bare number is seconds).
+    #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = parse_secs)]
     cm_idle_after: f64,
-    /// Seconds a connection lives at least, and a demoted peer waits before promotion again.
-    #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = parse_secs)]
+    /// Time a connection lives at least, and a demoted peer waits before promotion again.
+    #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = parse_secs)]
     cm_min_hold: f64,
     /// Tests only: break the engine on request (`panic`, `stall`, `hang` or `pause MS` written into
     /// /run/ipoib-ctl/IFACE.fault), to prove the control loop catches it.
@@ -207,11 +210,15 @@ fn parse_budget(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}`: a size from 4MiB to 1TiB (e.g. 512MiB)"))
 }
 
+/// A duration as the policy writes them (`30s`, `500ms`, `2m`, `1h`; a bare number is
+/// seconds), in seconds.
 fn parse_secs(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.1..=86400.0).contains(&v) => Ok(v),
-        Ok(_) => Err(format!("`{s}`: 0.1 to 86400 seconds")),
-        Err(e) => Err(format!("`{s}`: {e}")),
+    match ipoib_ctl::policy::parse_duration(s).map(|d| d.as_secs_f64()) {
+        Some(v) if (0.1..=86400.0).contains(&v) => Ok(v),
+        Some(_) => Err(format!("`{s}`: 100ms to 24h")),
+        None => Err(format!(
+            "`{s}`: not a duration (30s, 500ms, 2m, 1h; bare: seconds)"
+        )),
     }
 }
 
@@ -583,7 +590,11 @@ fn cmd_show_policy(iface: &str, json: bool) -> Result<()> {
     if json {
         return print_json(&view);
     }
-    println!("{iface}: {}", view.render());
+    let pins: Vec<(String, String)> = status::peers(&maps)?
+        .into_iter()
+        .map(|p| (p.addr, p.pin))
+        .collect();
+    print!("{}", view.render_file(iface, &pins));
     Ok(())
 }
 

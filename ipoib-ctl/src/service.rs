@@ -23,9 +23,17 @@ pub struct Notifier {
 impl Notifier {
     /// Reads `NOTIFY_SOCKET`, `WATCHDOG_USEC` and `WATCHDOG_PID`.
     pub fn from_env() -> Self {
+        Self::new(
+            std::env::var_os("NOTIFY_SOCKET").is_some(),
+            sd_notify::watchdog_enabled(),
+        )
+    }
+
+    /// A socket (`enabled`) and a watchdog period, as the environment would give them.
+    fn new(enabled: bool, watchdog: Option<Duration>) -> Self {
         Self {
-            enabled: std::env::var_os("NOTIFY_SOCKET").is_some(),
-            watchdog: sd_notify::watchdog_enabled().filter(|d| !d.is_zero()),
+            enabled,
+            watchdog: watchdog.filter(|d| !d.is_zero()),
             failed: false,
         }
     }
@@ -79,5 +87,26 @@ impl Notifier {
             }
             Err(_) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watchdog_sets_the_beat_only_where_a_manager_listens() {
+        let w = Duration::from_secs(30);
+        let n = Notifier::new(true, Some(w));
+        assert_eq!(n.watchdog(), Some(w));
+        assert_eq!(n.beat_at_most(), Some(Duration::from_secs(10)));
+        // No socket: nobody to ping, the beat is the heartbeat's own.
+        let n = Notifier::new(false, Some(w));
+        assert_eq!((n.watchdog(), n.beat_at_most()), (None, None));
+        // WatchdogSec=0 (or none): off.
+        let n = Notifier::new(true, Some(Duration::ZERO));
+        assert_eq!((n.watchdog(), n.beat_at_most()), (None, None));
+        assert!(Notifier::new(true, None).enabled());
+        assert!(!Notifier::new(false, None).enabled());
     }
 }

@@ -66,6 +66,41 @@ impl PolicyView {
     }
 }
 
+impl PolicyView {
+    /// As a policy file that `set-policy IFACE --file` reads back unchanged: one setting per
+    /// line, the pins (`pins`: address and pin, `auto` left out) last, what no key sets as
+    /// comments.
+    pub fn render_file(&self, iface: &str, pins: &[(String, String)]) -> String {
+        let mut out = format!(
+            "# ipoib-ctl show-policy {iface} (link {}); `ipoib-ctl set-policy {iface} --file \
+             FILE` reads it back\nmode={}\ncm-threshold={}\nheartbeat-timeout={}ms\n\
+             kernel-cm={}\nctl-port={}\n",
+            self.link,
+            self.mode,
+            self.cm_threshold,
+            self.heartbeat_timeout_ms,
+            if self.kernel_cm { "on" } else { "off" },
+            self.ctl_port,
+        );
+        match self.memory_budget {
+            Some(b) => out.push_str(&format!("memory-budget={}\n", format_size(b))),
+            None => out.push_str("# memory-budget: worked out by the control loop\n"),
+        }
+        match self.max_connections {
+            Some(n) => out.push_str(&format!("max-connections={n}\n")),
+            None => out.push_str("# max-connections: as many as the memory plan allows\n"),
+        }
+        for (addr, pin) in pins.iter().filter(|(_, pin)| pin != "auto") {
+            if addr.contains(':') {
+                out.push_str(&format!("peer=[{addr}]:{pin}\n"));
+            } else {
+                out.push_str(&format!("peer={addr}:{pin}\n"));
+            }
+        }
+        out
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PeerView {
     pub addr: String,
@@ -234,9 +269,16 @@ fn human_bytes(b: u64) -> String {
 
 pub fn render_peers(peers: &[PeerView]) -> String {
     let mut out = String::new();
+    // As wide as the longest address (a full IPv6 address is 39 characters).
+    let w = peers
+        .iter()
+        .map(|p| p.addr.len())
+        .max()
+        .unwrap_or(0)
+        .max(15);
     let _ = writeln!(
         out,
-        "  {:<26} {:<10} {:<5} {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>7} {:>10}",
+        "  {:<w$} {:<10} {:<5} {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>7} {:>10}",
         "peer",
         "mode",
         "pin",
@@ -253,7 +295,7 @@ pub fn render_peers(peers: &[PeerView]) -> String {
         let t = &p.traffic;
         let _ = writeln!(
             out,
-            "  {:<26} {:<10} {:<5} {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>7} {:>10}",
+            "  {:<w$} {:<10} {:<5} {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>7} {:>10}",
             p.addr,
             p.mode,
             p.pin,
@@ -329,6 +371,9 @@ fn render_reasons(out: &mut String, s: &Status) {
     }
 }
 
+/// A connection cap at least this large is the HCA's QP limit, not a plan's.
+const UNCAPPED: usize = 1 << 16;
+
 fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
     let r = &cm.receive;
     let receive = match r.model.as_str() {
@@ -338,11 +383,18 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
         ),
         _ => format!("SRQ {} buffers", cm.srq_depth),
     };
+    // With an SRQ the memory does not grow with connections: the plan's cap is then the
+    // HCA's QPs, a number nobody means (1048552 on soft-RoCE).
+    let cap = if r.model != "rings" && cm.max_connections >= UNCAPPED {
+        "no cap but the HCA's QPs".to_owned()
+    } else {
+        format!("at most {}", cm.max_connections)
+    };
     let _ = writeln!(
         out,
-        "  connected mode: {} via {}, {receive}, {} of at most {} connections, \
+        "  connected mode: {} via {}, {receive}, {} connections ({cap}), \
          {} established / {} failed setups",
-        cm.device, cm.tun, cm.connections, cm.max_connections, cm.established, cm.failed
+        cm.device, cm.tun, cm.connections, cm.established, cm.failed
     );
     let _ = writeln!(
         out,
@@ -367,11 +419,19 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
         "    handshake: {} streams waiting for a REQ, {} dropped unanswered; {} tasks",
         cm.awaiting_req, cm.dropped_awaiting_req, cm.tasks
     );
+    render_engine(out, cm);
+    for p in &cm.peers {
+        let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);
+    }
+}
+
+/// The engine's counters, one line.
+fn render_engine(out: &mut String, cm: &crate::connmgr::CmStatus) {
     let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
     let _ = writeln!(
         out,
         "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
-         send errors {}, queue overflows {}, SRQ low {}",
+         send errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
         e("tx_packets"),
         human_bytes(e("tx_bytes")),
         e("rx_packets"),
@@ -384,7 +444,55 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
         e("tx_congested"),
         cm.srq_low_events
     );
-    for p in &cm.peers {
-        let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(addr: &str) -> PeerView {
+        PeerView {
+            addr: addr.into(),
+            mode: "ud".into(),
+            pin: "auto".into(),
+            cm_ifindex: 0,
+            generation: 0,
+            traffic: TrafficView::default(),
+        }
+    }
+
+    #[test]
+    fn an_srq_plan_shows_no_cap_where_the_qps_are_the_cap() {
+        let mut cm = crate::connmgr::CmStatus {
+            max_connections: 1_048_552,
+            connections: 2,
+            ..Default::default()
+        };
+        cm.receive.model = "srq".into();
+        let mut out = String::new();
+        render_cm(&mut out, &cm);
+        assert!(
+            out.contains("2 connections (no cap but the HCA's QPs)"),
+            "{out}"
+        );
+        cm.max_connections = 3;
+        let mut out = String::new();
+        render_cm(&mut out, &cm);
+        assert!(out.contains("2 connections (at most 3)"), "{out}");
+    }
+
+    /// Every row's columns start where the header's do, the longest IPv6 address included.
+    #[test]
+    fn peer_columns_fit_the_longest_address() {
+        let long = "fd00:1234:5678:9abc:def0:1234:5678:9abc";
+        let text = render_peers(&[peer("10.0.0.7"), peer(long)]);
+        let lines: Vec<&str> = text.lines().collect();
+        let col = |l: &str, word: &str| l.find(word).unwrap();
+        let mode_at = col(lines[0], "mode");
+        for l in &lines[1..] {
+            assert_eq!(col(l, "ud"), mode_at, "{text}");
+            assert_eq!(l.len(), lines[1].len(), "{text}");
+        }
+        assert!(lines[2].starts_with(&format!("  {long} ")), "{text}");
     }
 }

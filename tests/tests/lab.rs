@@ -527,6 +527,36 @@ fn bad_input_is_refused_and_changes_nothing() {
     let shown = a.ctl(&["show-policy", &a.iface, "--json"]).unwrap();
     let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(shown["cm_threshold"], 2048, "{shown}");
+    // show-policy prints a policy file: read back, it changes nothing (pins included, an
+    // IPv6 one among them).
+    let out = a
+        .ctl(&[
+            "set-policy",
+            &a.iface,
+            "peer=[fd00::9]:block",
+            "max-connections=7",
+        ])
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let before = snapshot();
+    let shown = a.ctl(&["show-policy", &a.iface]).unwrap();
+    let text = String::from_utf8(shown.stdout).unwrap();
+    for line in [
+        "cm-threshold=2048",
+        "max-connections=7",
+        "peer=[fd00::9]:block",
+        "peer=10.77.0.9:cm",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line} in:\n{text}");
+    }
+    std::fs::write(&file, &text).unwrap();
+    let out = a.ctl(&["set-policy", &a.iface, "--file", path]).unwrap();
+    assert!(out.status.success(), "{out:?}\n{text}");
+    assert_eq!(
+        snapshot(),
+        before,
+        "show-policy's file changed the policy:\n{text}"
+    );
     std::fs::remove_file(&file).unwrap();
 
     // Attaching to what cannot be attached.
@@ -535,6 +565,34 @@ fn bad_input_is_refused_and_changes_nothing() {
         Some(2)
     );
     assert_eq!(a.ctl(&["attach", "lo"]).unwrap().status.code(), Some(2));
+    // Durations as the policy writes them: `1m` and `500ms` are taken (the refusal is about
+    // the interface), `1x` and `0` are not.
+    let out = a
+        .ctl(&[
+            "attach",
+            "nosuch0",
+            "--cm-idle-after",
+            "1m",
+            "--cm-min-hold",
+            "500ms",
+        ])
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("nosuch0") && !err.contains("duration"),
+        "{err}"
+    );
+    for bad in ["1x", "0", "25h", "s"] {
+        let out = a
+            .ctl(&["attach", &a.iface, "--cm-idle-after", bad])
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--cm-idle-after {bad}: {err}");
+        assert!(
+            err.contains("--cm-idle-after"),
+            "--cm-idle-after {bad}: {err}"
+        );
+    }
     let down = "baddown0";
     Command::new("nsenter")
         .args([
