@@ -119,6 +119,69 @@ pub struct AttachState {
     pub max_connections: Option<u32>,
     /// pid of the control loop in charge, if one runs.
     pub loop_pid: Option<u32>,
+    /// The network namespace the interface was attached in (its inode), so `status` from
+    /// elsewhere can tell an interface in another namespace from one that is gone.
+    #[serde(default)]
+    pub netns: Option<u64>,
+}
+
+/// The inode of this process's network namespace.
+pub fn current_netns() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    fs::metadata("/proc/self/ns/net").ok().map(|m| m.ino())
+}
+
+/// Whether a network namespace with this inode still exists: a process in it, or a name
+/// under /run/netns that holds it.
+pub fn netns_exists(ino: u64) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    let holds = |p: PathBuf| fs::metadata(p).is_ok_and(|m| m.ino() == ino);
+    let named = fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| holds(e.path()));
+    named
+        || fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .any(|e| holds(e.path().join("ns/net")))
+}
+
+/// Where an attached interface is, seen from this network namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Presence {
+    /// Here, with the ifindex it was attached with.
+    Here,
+    /// In another network namespace that still exists.
+    Elsewhere,
+    /// Gone: the device was removed (or replaced: another ifindex) or its namespace deleted.
+    /// The pins are stale; `detach` removes them.
+    Gone,
+}
+
+pub fn presence(state: &AttachState) -> Presence {
+    let here = current_netns();
+    match state.netns {
+        Some(ns) if Some(ns) != here => {
+            if netns_exists(ns) {
+                Presence::Elsewhere
+            } else {
+                Presence::Gone
+            }
+        }
+        _ => match Netdev::lookup(&state.iface) {
+            Ok(d) if d.ifindex == state.ifindex => Presence::Here,
+            _ => Presence::Gone,
+        },
+    }
 }
 
 pub fn pin_dir(iface: &str) -> PathBuf {
@@ -259,6 +322,7 @@ fn fresh_attach(
         memory_budget: change.and_then(|c| c.memory_budget),
         max_connections: change.and_then(|c| c.max_connections),
         loop_pid: None,
+        netns: current_netns(),
     };
     write_state(&state)?;
     // The maps stay pinned; reopen them from the pins so a fresh attach and an adoption hold
@@ -358,7 +422,10 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
         memory_budget: None,
         max_connections: None,
         loop_pid: None,
+        netns: None,
     });
+    // Adopted here: this is its namespace now.
+    state.netns = current_netns();
     if state.ifindex != dev.ifindex {
         return Err(AttachError::Stale {
             iface: dev.name.clone(),

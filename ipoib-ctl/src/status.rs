@@ -167,6 +167,9 @@ pub struct Status {
     pub peers: Vec<PeerView>,
     /// Connected mode, as its control loop last wrote it (None: not running).
     pub cm: Option<crate::connmgr::CmStatus>,
+    /// Where the interface is, seen from here (None: no state file to tell).
+    #[serde(default)]
+    pub presence: Option<attach::Presence>,
 }
 
 fn mode_name(m: u8) -> String {
@@ -249,6 +252,7 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
         reasons,
         peers: peers(&maps)?,
         cm: crate::connmgr::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
+        presence: state.as_ref().map(attach::presence),
     })
 }
 
@@ -328,6 +332,23 @@ pub fn render(s: &Status) -> String {
         s.egress_attach.as_deref().unwrap_or("?"),
         s.xdp_mode.as_deref().unwrap_or("?"),
     );
+    match s.presence {
+        Some(attach::Presence::Gone) => {
+            let _ = writeln!(
+                out,
+                "  STALE: {0} is gone (the device was removed or its network namespace \
+                 deleted); its pins remain: `ipoib-ctl detach {0}` removes them",
+                s.iface
+            );
+        }
+        Some(attach::Presence::Elsewhere) => {
+            let _ = writeln!(
+                out,
+                "  in another network namespace (run ipoib-ctl there to change it)"
+            );
+        }
+        _ => {}
+    }
     let _ = writeln!(out, "  policy: {}", s.policy.render());
     let _ = writeln!(
         out,

@@ -834,3 +834,51 @@ fn systemd_hears_ready_after_attach_and_a_watchdog_while_the_loop_turns() {
     assert!(status.success(), "{status}");
     drop(lab);
 }
+
+/// `status` from another network namespace tells an interface that lives there from one that
+/// is gone (its namespace deleted): the second is shown stale, with the `detach` that clears
+/// its pins, and that detach works.
+#[test]
+fn status_tells_a_gone_interface_from_one_elsewhere() {
+    let test = "status_tells_a_gone_interface_from_one_elsewhere";
+    let Some(mut lab) = lab_or_skip(test, "stl", false) else {
+        return;
+    };
+    let pid = lab.attach(Which::A, &[]).unwrap();
+    let a = lab.a.clone();
+    // This test runs in the host's namespace, the interface in A's.
+    let status = || {
+        let out = Command::new(ipoib_tests::lab::ctl_path())
+            .args(["status", &a.iface, "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0]["presence"].clone()
+    };
+    assert_eq!(status(), "elsewhere");
+    assert_eq!(a.status_json().unwrap()["presence"], "here");
+    lab.kill9(pid);
+    let out = Command::new("ip")
+        .args(["netns", "del", &a.ns])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(status(), "gone");
+    let text = Command::new(ipoib_tests::lab::ctl_path())
+        .args(["status", &a.iface])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("STALE") && text.contains(&format!("ipoib-ctl detach {}", a.iface)),
+        "{text}"
+    );
+    let out = Command::new(ipoib_tests::lab::ctl_path())
+        .args(["detach", &a.iface])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(!std::path::Path::new(&format!("/sys/fs/bpf/ipoib/{}", a.iface)).exists());
+    assert!(!std::path::Path::new(&format!("/run/ipoib-ctl/{}.json", a.iface)).exists());
+}
