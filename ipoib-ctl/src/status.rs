@@ -500,6 +500,19 @@ mod tests {
         let mut out = String::new();
         render_cm(&mut out, &cm);
         assert!(out.contains("2 connections (at most 3)"), "{out}");
+        // Rings: their use against K, and the cap as it is even when large.
+        cm.receive.model = "rings".into();
+        cm.receive.depth = 64;
+        cm.receive.rings = 2;
+        cm.receive.max_rings = 3;
+        cm.max_connections = 1_048_552;
+        let mut out = String::new();
+        render_cm(&mut out, &cm);
+        assert!(
+            out.contains("rings of 64 buffers: 2 of K=3 in use"),
+            "{out}"
+        );
+        assert!(out.contains("(at most 1048552)"), "{out}");
     }
 
     /// Every row's columns start where the header's do, the longest IPv6 address included.
