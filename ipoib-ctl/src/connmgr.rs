@@ -46,6 +46,7 @@ use crate::{
     plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
     policy::Mode,
     promotion::{Config as PromotionConfig, Failure, Promoter},
+    rtnl::{self, AddressMirror, Rtnl},
     tun::{Tun, TunError},
     verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
 };
@@ -256,24 +257,31 @@ pub const GSO_MAX_SIZE: u32 = 65000;
 /// seen here: 13 packets in on the TUN device, 13 fewer delivered), so the interface's IPv4
 /// addresses are added to it as /32 without a prefix route, which changes no routing. With
 /// `all` at 1 (strict) nothing arriving on the TUN device passes: said loudly.
-fn accept_on_tun(iface: &str, tun: &str) -> Result<(), CmError> {
-    std::fs::write(format!("/proc/sys/net/ipv4/conf/{tun}/rp_filter"), "0")?;
+async fn accept_on_tun(
+    iface: &rtnl::Link,
+    tun: &rtnl::Link,
+) -> Result<Option<AddressMirror>, CmError> {
+    std::fs::write(
+        format!("/proc/sys/net/ipv4/conf/{}/rp_filter", tun.name),
+        "0",
+    )?;
     let all = std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter").unwrap_or_default();
     match all.trim() {
         "1" => tracing::warn!(
-            "net.ipv4.conf.all.rp_filter=1 (strict) drops what connected mode receives on {tun}: \
-             set it to 2 (loose) or 0"
+            "net.ipv4.conf.all.rp_filter=1 (strict) drops what connected mode receives on {}: \
+             set it to 2 (loose) or 0",
+            tun.name
         ),
+        // The interface's addresses now, and as they change (an address added later would
+        // otherwise fail the check for packets to it).
         "2" => {
-            let addrs = netdev::ipv4_addrs(iface).unwrap_or_default();
-            for local in addrs {
-                let cidr = format!("{local}/32");
-                netdev::ip(&["addr", "add", &cidr, "dev", tun, "noprefixroute"])?;
-            }
+            return Ok(Some(
+                AddressMirror::start(iface.clone(), tun.clone()).await?,
+            ));
         }
         _ => {}
     }
-    Ok(())
+    Ok(None)
 }
 
 /// The device, its plan and the verbs resources sized by it.
@@ -436,37 +444,48 @@ fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan, pkey_index: u16) -> Res
 
 /// The TUN device `IFACEcm`: no IPv6 link-local address (the kernel's own chatter would come
 /// to the engine), a 64 KiB MTU, reverse-path filtering that accepts what arrives on it (see
-/// [`accept_on_tun`]). Returns it and its ifindex.
-fn open_tun(iface: &str) -> Result<(Tun, u32), CmError> {
+/// [`accept_on_tun`]). Returns it, its ifindex and what keeps its addresses.
+async fn open_tun(rtnl: &Rtnl, iface: &str) -> Result<(Tun, u32, Option<AddressMirror>), CmError> {
+    let iface = rtnl::Link {
+        index: netdev::Netdev::lookup(iface)?.ifindex,
+        name: iface.to_string(),
+    };
     // IFNAMSIZ is 16 with the NUL: 13 characters at most before the suffix.
-    let want = format!("{}cm", iface.chars().take(13).collect::<String>());
+    let want = format!("{}cm", iface.name.chars().take(13).collect::<String>());
     let tun = Tun::create(&want, true)?;
-    let name = tun.name().to_string();
-    let up = [
-        "link",
-        "set",
-        &name,
-        "addrgenmode",
-        "none",
-        "mtu",
-        "65520",
-        "up",
-    ];
-    netdev::ip(&up)?;
-    accept_on_tun(iface, &name)?;
-    let ifindex = netdev::Netdev::lookup(&name)?.ifindex;
-    Ok((tun, ifindex))
+    let link = rtnl::Link {
+        index: netdev::Netdev::lookup(tun.name())?.ifindex,
+        name: tun.name().to_string(),
+    };
+    rtnl.bring_up_without_ipv6(link.index, 65520).await?;
+    let mirror = accept_on_tun(&iface, &link).await?;
+    Ok((tun, link.index, mirror))
 }
 
 /// The stack builds GSO packets for the interface the route uses: keep them small enough for
-/// one RC message (header included), or the engine would have to drop them. Returns the size
-/// before, to restore.
-fn lower_gso(iface: &str) -> Result<Option<u64>, CmError> {
-    let before = netdev::gso_max_size(iface);
-    if before.is_none_or(|g| g > u64::from(GSO_MAX_SIZE)) {
-        netdev::set_gso_max_size(iface, u64::from(GSO_MAX_SIZE))?;
+/// one RC message (header included), or the engine would have to drop them. Returns what
+/// was changed, to undo.
+async fn lower_gso(
+    rtnl: Arc<Rtnl>,
+    iface: &str,
+    addresses: Option<AddressMirror>,
+) -> Result<LinkChanges, CmError> {
+    let link = rtnl.link(iface).await?;
+    let before = link.gso_max_size;
+    if before.is_none_or(|g| g > GSO_MAX_SIZE) {
+        rtnl.set_gso_max_size(link.index, GSO_MAX_SIZE).await?;
+        tracing::info!(
+            "{iface}: gso_max_size {} -> {GSO_MAX_SIZE} (a GSO packet must fit one RC \
+             message); restored on exit",
+            before.map_or("unknown".into(), |g| g.to_string())
+        );
     }
-    Ok(before)
+    Ok(LinkChanges {
+        rtnl,
+        iface_index: link.index,
+        gso_before: before,
+        _addresses: addresses,
+    })
 }
 
 /// A previous control loop that died (kill -9, a crash) left its peers CM_UP or CM_PENDING,
@@ -557,6 +576,18 @@ async fn engine_end<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::tas
     }
 }
 
+/// Netlink, and what connected mode changed over it on the interface, undone in
+/// [`Manager::shutdown`] (gso_max_size) or when dropped (the address mirror).
+struct LinkChanges {
+    /// Also for neighbour lookups.
+    rtnl: Arc<Rtnl>,
+    /// The interface's index and gso_max_size before connected mode lowered it.
+    iface_index: u32,
+    gso_before: Option<u32>,
+    /// Keeps the interface's IPv4 addresses on the TUN device (with loose rp_filter).
+    _addresses: Option<AddressMirror>,
+}
+
 /// Connected mode on one interface. Built by [`Manager::start`]; fed by the control loop
 /// with [`Manager::next_input`] and [`Manager::handle`]; ended by [`Manager::shutdown`].
 pub struct Manager {
@@ -589,7 +620,7 @@ pub struct Manager {
     tick: tokio::time::Interval,
     tun: String,
     tun_ifindex: u32,
-    gso_before: Option<u64>,
+    link: LinkChanges,
     /// The loop's own liveness, so a stop of the whole process (SIGSTOP, a paused VM, CPU
     /// starvation) is not taken for a wedged engine: when the loop last looked, and since when
     /// it has run without a gap longer than [`ENGINE_DEADLINE`] (monotonic ns).
@@ -611,13 +642,14 @@ impl Manager {
         let (hca, ledger) = open_hca(iface, &opts)?;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
         let listener = listen(iface, opts.ctl_port)?;
-        let (tun, tun_ifindex) = open_tun(iface)?;
+        let rtnl = Arc::new(Rtnl::new()?);
+        let (tun, tun_ifindex, addresses) = open_tun(&rtnl, iface).await?;
         let engine = Engine::new(tun, hca.res.clone(), EngineConfig::default())?;
         let device_events = watch_device(&hca.dev)?;
         let _ = std::fs::remove_file(&opts.status_path);
         reset_peers(&mut maps)?;
         // Nothing fails past this point: what runs from here is undone by `shutdown`.
-        let gso_before = lower_gso(iface)?;
+        let link = lower_gso(rtnl, iface, addresses).await?;
         let setup = SetupConfig {
             device: Some(iface.to_string()),
             ..SetupConfig::default()
@@ -654,7 +686,7 @@ impl Manager {
             tick,
             tun: tun_name,
             tun_ifindex,
-            gso_before,
+            link,
             opts,
             looked_at: monotonic_ns(),
             awake_since: monotonic_ns(),
@@ -943,14 +975,15 @@ impl Manager {
     /// A setup to `ip`: its address resolved, then the handshake, as a task that reports
     /// its [`Outcome`].
     fn connect(&self, ip: IpAddr) {
-        let (cm, tx, resolve) = (
+        let (cm, tx, resolve, rtnl) = (
             self.cm.clone(),
             self.outcomes_tx.clone(),
             self.opts.resolve.clone(),
+            self.link.rtnl.clone(),
         );
         let (port, gid) = (self.opts.ctl_port, self.res.port.gid);
         tokio::spawn(async move {
-            let Some(hw) = resolve.peer(ip, gid).await else {
+            let Some(hw) = resolve.peer(&rtnl, ip, gid).await else {
                 let _ = tx.send(Outcome::SetupFailed(ip, SetupError::Timeout("neighbour")));
                 return;
             };
@@ -1063,8 +1096,16 @@ impl Manager {
             None => Ok(()),
         };
         let _ = std::fs::remove_file(&self.opts.status_path);
-        if let Some(g) = self.gso_before.filter(|g| *g > u64::from(GSO_MAX_SIZE)) {
-            let _ = netdev::set_gso_max_size(&self.iface, g);
+        if let Some(g) = self.link.gso_before.filter(|g| *g > GSO_MAX_SIZE) {
+            match self
+                .link
+                .rtnl
+                .set_gso_max_size(self.link.iface_index, g)
+                .await
+            {
+                Ok(()) => tracing::info!("{}: gso_max_size {g} again", self.iface),
+                Err(e) => tracing::warn!("{}: gso_max_size not restored to {g}: {e}", self.iface),
+            }
         }
         tracing::info!("CM on {} stopped; every peer is on UD", self.iface);
         result

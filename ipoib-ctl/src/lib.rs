@@ -22,6 +22,7 @@ pub mod netdev;
 pub mod plan;
 pub mod policy;
 pub mod promotion;
+pub mod rtnl;
 pub mod service;
 pub mod signals;
 pub mod status;

@@ -294,7 +294,9 @@ fn cm_options(
         None => own_ud_qpn(iface, dev)?,
     };
     let resolve = if dev.is_ipoib() {
-        Resolve::Neighbour(iface.to_string())
+        Resolve::Neighbour {
+            ifindex: dev.ifindex,
+        }
     } else {
         Resolve::Lab
     };
@@ -343,20 +345,24 @@ fn cm_device(args: &CmArgs, link: Option<&IbLink>) -> Option<String> {
 
 /// Our own UD QPN: in the IPoIB hardware address, or the lab's stand-in on Ethernet.
 fn own_ud_qpn(iface: &str, dev: &Netdev) -> Result<u32> {
+    use ipoib_ctl::{netdev, rtnl};
     if dev.is_ipoib() {
-        let addr = ipoib_ctl::netdev::link_attr(iface, "address")?;
-        let addr = addr.as_ref().and_then(|a| a.as_str()).unwrap_or_default();
-        let hw = ipoib_ctl::netdev::parse_ipoib_hwaddr(addr)
-            .with_context(|| format!("{iface}: `{addr}` is no IPoIB hardware address"))?;
+        let link = rtnl::blocking(async |r| r.link(iface).await)?;
+        let hw = netdev::ipoib_hwaddr(&link.address).with_context(|| {
+            format!(
+                "{iface}: {:02x?} is no IPoIB hardware address",
+                link.address
+            )
+        })?;
         return Ok(hw.ud_qpn);
     }
-    let ip = ipoib_ctl::netdev::ipv4_addrs(iface)?
+    let ip = rtnl::blocking(async |r| r.ipv4_addrs(dev.ifindex).await)?
         .first()
         .copied()
         .with_context(|| {
             format!("{iface} has no IPv4 address for the lab's UD QPN (or --ud-qpn)")
         })?;
-    Ok(ipoib_ctl::netdev::lab_ud_qpn(ip.into()))
+    Ok(netdev::lab_ud_qpn(ip.into()))
 }
 
 /// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.

@@ -2,16 +2,11 @@
 //! caller's network namespace (ioctls on a socket; /sys/class/net would show the namespace
 //! sysfs was mounted in, which under `nsenter --net` is not ours).
 
-use std::{
-    ffi::CString,
-    io,
-    net::{IpAddr, Ipv4Addr},
-    os::fd::AsRawFd as _,
-};
+use std::{ffi::CString, io, net::IpAddr, os::fd::AsRawFd as _};
 
 use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND};
 
-use crate::cm::HwAddr;
+use crate::{cm::HwAddr, rtnl::Rtnl};
 
 pub const ARPHRD_LOOPBACK: u16 = 772;
 
@@ -37,8 +32,12 @@ pub enum NetdevError {
         #[source]
         source: io::Error,
     },
-    #[error("`{cmd}` failed: {stderr}")]
-    Ip { cmd: String, stderr: String },
+    #[error("{what}: {source}")]
+    Netlink {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// One interface as the kernel reports it.
@@ -149,55 +148,11 @@ impl Netdev {
     }
 }
 
-/// `ip ARGS` in this network namespace (a change: an address, a link setting).
-pub fn ip(args: &[&str]) -> Result<(), NetdevError> {
-    let cmd = || format!("ip {}", args.join(" "));
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| NetdevError::Ip {
-            cmd: cmd(),
-            stderr: spawn_error(&e),
-        })?;
-    if out.status.success() {
-        return Ok(());
-    }
-    Err(NetdevError::Ip {
-        cmd: cmd(),
-        stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
-    })
-}
-
-fn spawn_error(e: &io::Error) -> String {
-    if e.kind() == io::ErrorKind::NotFound {
-        "`ip` is not installed (Debian package iproute2)".into()
-    } else {
-        e.to_string()
-    }
-}
-
-/// The interface's gso_max_size, from `ip -d -j link`.
-pub fn gso_max_size(iface: &str) -> Option<u64> {
-    link_attr(iface, "gso_max_size").ok()??.as_u64()
-}
-
-/// Sets the interface's gso_max_size.
-pub fn set_gso_max_size(iface: &str, size: u64) -> Result<(), NetdevError> {
-    ip(&[
-        "link",
-        "set",
-        "dev",
-        iface,
-        "gso_max_size",
-        &size.to_string(),
-    ])
-}
-
 /// How a peer's IPoIB hardware address (GID and UD QPN) is found from its IP address.
 #[derive(Debug, Clone)]
 pub enum Resolve {
     /// IPoIB: the neighbour table of this interface (the 20-byte link-layer address).
-    Neighbour(String),
+    Neighbour { ifindex: u32 },
     /// The lab (Ethernet, one soft-RoCE device shared by every node): the peer's GID is our
     /// own and its UD QPN is [`lab_ud_qpn`] of its address.
     Lab,
@@ -212,16 +167,9 @@ pub fn lab_ud_qpn(ip: IpAddr) -> u32 {
     0x100 + u32::from(last)
 }
 
-/// Parses a 20-byte IPoIB hardware address (`80:00:00:48:fe:80:...`): flags, QPN, GID.
-pub fn parse_ipoib_hwaddr(s: &str) -> Option<HwAddr> {
-    let b: Vec<u8> = s
-        .split(':')
-        .map(|h| u8::from_str_radix(h, 16))
-        .collect::<Result<_, _>>()
-        .ok()?;
-    if b.len() != 20 {
-        return None;
-    }
+/// The IPoIB hardware address in 20 bytes (flags and QPN, then the GID), as netlink gives it.
+pub fn ipoib_hwaddr(b: &[u8]) -> Option<HwAddr> {
+    let b: &[u8; 20] = b.try_into().ok()?;
     let mut gid = [0u8; 16];
     gid.copy_from_slice(&b[4..]);
     Some(HwAddr {
@@ -232,87 +180,21 @@ pub fn parse_ipoib_hwaddr(s: &str) -> Option<HwAddr> {
 
 impl Resolve {
     /// The peer's GID and UD QPN; `own_gid` is the lab's stand-in.
-    pub async fn peer(&self, ip: IpAddr, own_gid: [u8; 16]) -> Option<HwAddr> {
+    pub async fn peer(&self, rtnl: &Rtnl, ip: IpAddr, own_gid: [u8; 16]) -> Option<HwAddr> {
         match self {
             Resolve::Lab => Some(HwAddr {
                 gid: own_gid,
                 ud_qpn: lab_ud_qpn(ip),
             }),
-            Resolve::Neighbour(iface) => parse_ipoib_hwaddr(&neighbour(iface, ip).await?),
+            Resolve::Neighbour { ifindex } => match rtnl.neighbour(*ifindex, ip).await {
+                Ok(l) => ipoib_hwaddr(&l?),
+                Err(e) => {
+                    tracing::warn!("{ip}: {e}");
+                    None
+                }
+            },
         }
     }
-}
-
-/// `ip -j ARGS`, parsed, in this network namespace: what the ioctls above do not give (an
-/// interface's addresses, its detailed link attributes, its neighbours).
-pub fn ip_json(args: &[&str]) -> Result<serde_json::Value, NetdevError> {
-    let out = std::process::Command::new("ip")
-        .arg("-j")
-        .args(args)
-        .output();
-    parse_ip_output(args, out)
-}
-
-/// [`ip_json`] without blocking the async runtime.
-pub async fn ip_json_async(args: &[&str]) -> Result<serde_json::Value, NetdevError> {
-    let out = tokio::process::Command::new("ip")
-        .arg("-j")
-        .args(args)
-        .output()
-        .await;
-    parse_ip_output(args, out)
-}
-
-fn parse_ip_output(
-    args: &[&str],
-    out: io::Result<std::process::Output>,
-) -> Result<serde_json::Value, NetdevError> {
-    let cmd = format!("ip -j {}", args.join(" "));
-    let out = out.map_err(|e| NetdevError::Ip {
-        cmd: cmd.clone(),
-        stderr: spawn_error(&e),
-    })?;
-    if !out.status.success() {
-        return Err(NetdevError::Ip {
-            cmd,
-            stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
-        });
-    }
-    serde_json::from_slice(&out.stdout).map_err(|e| NetdevError::Ip {
-        cmd,
-        stderr: format!("unreadable output: {e}"),
-    })
-}
-
-/// The IPv4 addresses of `iface`, in the order `ip` lists them.
-pub fn ipv4_addrs(iface: &str) -> Result<Vec<Ipv4Addr>, NetdevError> {
-    Ok(ipv4_addrs_of(&ip_json(&[
-        "-4", "addr", "show", "dev", iface,
-    ])?))
-}
-
-fn ipv4_addrs_of(v: &serde_json::Value) -> Vec<Ipv4Addr> {
-    v.get(0)
-        .and_then(|l| l.get("addr_info"))
-        .and_then(|a| a.as_array())
-        .into_iter()
-        .flatten()
-        .filter_map(|a| a.get("local")?.as_str()?.parse().ok())
-        .collect()
-}
-
-/// `iface`'s link attribute `key` (`ip -d -j link`: address, gso_max_size, ...).
-pub fn link_attr(iface: &str, key: &str) -> Result<Option<serde_json::Value>, NetdevError> {
-    let v = ip_json(&["-d", "link", "show", "dev", iface])?;
-    Ok(v.get(0).and_then(|l| l.get(key)).cloned())
-}
-
-/// The link-layer address the neighbour table holds for `ip` on `iface`.
-pub async fn neighbour(iface: &str, ip: std::net::IpAddr) -> Option<String> {
-    let v = ip_json_async(&["neigh", "show", "to", &ip.to_string(), "dev", iface])
-        .await
-        .ok()?;
-    Some(v.get(0)?.get("lladdr")?.as_str()?.to_string())
 }
 
 #[cfg(test)]
@@ -321,49 +203,21 @@ mod tests {
 
     #[test]
     fn ipoib_hardware_addresses_parse() {
-        let hw = parse_ipoib_hwaddr("80:00:00:48:fe:80:00:00:00:00:00:00:00:02:c9:03:00:12:34:56")
-            .unwrap();
-        assert_eq!(hw.ud_qpn, 0x48);
+        let mut b = [0u8; 20];
+        b[..6].copy_from_slice(&[0x80, 0x00, 0x01, 0x48, 0xfe, 0x80]);
+        b[19] = 0x56;
+        let hw = ipoib_hwaddr(&b).unwrap();
+        assert_eq!(hw.ud_qpn, 0x148);
         assert_eq!(hw.gid[0..2], [0xfe, 0x80]);
         assert_eq!(hw.gid[15], 0x56);
-        assert!(parse_ipoib_hwaddr("00:11:22:33:44:55").is_none());
-        assert!(parse_ipoib_hwaddr("zz:00").is_none());
+        assert!(ipoib_hwaddr(&b[..6]).is_none());
+        assert!(ipoib_hwaddr(&[0u8; 21]).is_none());
     }
 
     #[test]
     fn lab_qpns_follow_the_last_byte() {
         assert_eq!(lab_ud_qpn("10.77.0.2".parse().unwrap()), 0x102);
         assert_eq!(lab_ud_qpn("fd77::1".parse().unwrap()), 0x101);
-    }
-
-    #[test]
-    fn ipv4_addresses_are_read_from_ip_json() {
-        let v: serde_json::Value = serde_json::from_str(
-            r#"[{"ifindex":2,"ifname":"ib0","addr_info":[
-                {"family":"inet","local":"10.0.0.7","prefixlen":24},
-                {"family":"inet","local":"10.0.1.7","prefixlen":32}]}]"#,
-        )
-        .unwrap();
-        assert_eq!(
-            ipv4_addrs_of(&v),
-            vec![Ipv4Addr::new(10, 0, 0, 7), Ipv4Addr::new(10, 0, 1, 7)]
-        );
-        assert!(ipv4_addrs_of(&serde_json::json!([])).is_empty());
-    }
-
-    /// The real `ip` against the real kernel.
-    #[test]
-    fn loopback_attributes_come_from_ip() {
-        assert_eq!(ipv4_addrs("lo").unwrap(), vec![Ipv4Addr::LOCALHOST]);
-        assert!(
-            link_attr("lo", "gso_max_size")
-                .unwrap()
-                .is_some_and(|g| g.is_u64())
-        );
-        assert!(matches!(
-            ipv4_addrs("nosuchif0"),
-            Err(NetdevError::Ip { .. })
-        ));
     }
 
     /// Runs against the real kernel: `lo` exists in every network namespace.

@@ -70,7 +70,9 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
 }
 
 /// Test targets run in the VM.
-pub const TARGETS: &[&str] = &["fastpath", "lab", "verbs", "cm", "engine", "hybrid"];
+pub const TARGETS: &[&str] = &[
+    "fastpath", "lab", "netlink", "verbs", "cm", "engine", "hybrid",
+];
 
 pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -> Result<()> {
     for f in filters {

@@ -55,7 +55,7 @@ pub const PROGRAMS: &[Program] = &[
         "ip",
         "iproute2",
         Host,
-        "netns, veth, addresses, links (ipoib-ctl and the lab)",
+        "netns, veth, addresses, links (the lab and the tests; ipoib-ctl itself speaks netlink)",
     ),
     deb(
         "ss",

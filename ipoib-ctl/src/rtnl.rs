@@ -1,0 +1,416 @@
+//! Routing netlink (rtnetlink) in the caller's network namespace: what the daemon reads and
+//! changes beyond the ioctls in [`crate::netdev`] (a link's hardware address and
+//! gso_max_size, its IPv4 addresses, one neighbour; the TUN device's settings and addresses),
+//! through the `rtnetlink` crate rather than an `ip` subprocess per call.
+//!
+//! An [`Rtnl`] is one netlink socket whose connection runs as a task on the runtime it was
+//! made in (and is aborted when it is dropped). [`AddressMirror`] keeps one interface's IPv4
+//! addresses on another as they change.
+
+use std::{
+    io,
+    net::{IpAddr, Ipv4Addr},
+};
+
+use futures_util::{StreamExt as _, TryStreamExt as _};
+use rtnetlink::{
+    Handle, LinkMessageBuilder, LinkUnspec, MulticastGroup,
+    packet_core::{NLM_F_REQUEST, NetlinkMessage, NetlinkPayload},
+    packet_route::{
+        AddressFamily, RouteNetlinkMessage,
+        address::{AddressAttribute, AddressFlags, AddressMessage},
+        link::{AfSpecInet6, AfSpecUnspec, In6AddrGenMode, LinkAttribute, LinkMessage},
+        neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourMessage},
+    },
+};
+use tokio::task::JoinHandle;
+
+use crate::netdev::NetdevError;
+
+/// What the kernel says of one link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub index: u32,
+    pub name: String,
+    /// The hardware address (20 bytes on IPoIB, 6 on Ethernet).
+    pub address: Vec<u8>,
+    pub mtu: Option<u32>,
+    pub gso_max_size: Option<u32>,
+}
+
+impl LinkInfo {
+    fn from_message(m: LinkMessage) -> Self {
+        let mut info = LinkInfo {
+            index: m.header.index,
+            name: String::new(),
+            address: Vec::new(),
+            mtu: None,
+            gso_max_size: None,
+        };
+        for a in m.attributes {
+            match a {
+                LinkAttribute::IfName(n) => info.name = n,
+                LinkAttribute::Address(a) => info.address = a,
+                LinkAttribute::Mtu(m) => info.mtu = Some(m),
+                LinkAttribute::GsoMaxSize(g) => info.gso_max_size = Some(g),
+                _ => {}
+            }
+        }
+        info
+    }
+}
+
+/// The error a request came back with, as an io::Error where the kernel gave an errno.
+fn to_io(e: rtnetlink::Error) -> io::Error {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => m.to_io(),
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+fn failed(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
+    move |e| NetdevError::Netlink {
+        what: what.into(),
+        source: to_io(e),
+    }
+}
+
+fn is_errno(e: &rtnetlink::Error, errno: i32) -> bool {
+    matches!(e, rtnetlink::Error::NetlinkError(m) if m.raw_code() == -errno)
+}
+
+/// The IPv4 address an address message is about (IFA_LOCAL, else IFA_ADDRESS), with its
+/// link's index.
+fn ipv4_of(m: &AddressMessage) -> Option<(u32, Ipv4Addr)> {
+    if m.header.family != AddressFamily::Inet {
+        return None;
+    }
+    let pick = |local: bool| {
+        m.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Local(IpAddr::V4(v)) if local => Some(*v),
+            AddressAttribute::Address(IpAddr::V4(v)) if !local => Some(*v),
+            _ => None,
+        })
+    };
+    Some((m.header.index, pick(true).or_else(|| pick(false))?))
+}
+
+/// One netlink socket in this network namespace.
+pub struct Rtnl {
+    handle: Handle,
+    conn: JoinHandle<()>,
+}
+
+impl Drop for Rtnl {
+    fn drop(&mut self) {
+        self.conn.abort();
+    }
+}
+
+impl Rtnl {
+    /// Opens the socket (in this thread's network namespace) and spawns its connection on
+    /// the current tokio runtime. Strict checking, so the kernel filters dumps by link.
+    pub fn new() -> Result<Self, NetdevError> {
+        let (conn, handle, _) =
+            rtnetlink::new_connection_with_strict_check().map_err(|source| {
+                NetdevError::Netlink {
+                    what: "opening a netlink socket".into(),
+                    source,
+                }
+            })?;
+        Ok(Self {
+            handle,
+            conn: tokio::spawn(conn),
+        })
+    }
+
+    /// `name`'s index, hardware address, MTU and gso_max_size.
+    pub async fn link(&self, name: &str) -> Result<LinkInfo, NetdevError> {
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_string())
+            .execute();
+        match links.try_next().await {
+            Ok(Some(m)) => Ok(LinkInfo::from_message(m)),
+            Ok(None) => Err(NetdevError::NotFound(name.to_string())),
+            Err(e) if is_errno(&e, libc::ENODEV) => Err(NetdevError::NotFound(name.to_string())),
+            Err(e) => Err(failed(format!("reading link {name}"))(e)),
+        }
+    }
+
+    /// The IPv4 addresses of link `index`, in the kernel's order (the primary first).
+    pub async fn ipv4_addrs(&self, index: u32) -> Result<Vec<Ipv4Addr>, NetdevError> {
+        let msgs: Vec<AddressMessage> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(failed(format!("listing the addresses of link {index}")))?;
+        Ok(msgs
+            .iter()
+            .filter_map(ipv4_of)
+            .filter(|(i, _)| *i == index)
+            .map(|(_, a)| a)
+            .collect())
+    }
+
+    /// Adds `addr`/32 to link `index` without a prefix route (so no routing changes); an
+    /// address already there is no error.
+    pub async fn add_host_addr(&self, index: u32, addr: Ipv4Addr) -> Result<(), NetdevError> {
+        let mut req = self.handle.address().add(index, addr.into(), 32);
+        req.message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Noprefixroute));
+        match req.execute().await {
+            Err(e) if !is_errno(&e, libc::EEXIST) => {
+                Err(failed(format!("adding {addr}/32 to link {index}"))(e))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Removes `addr`/32 from link `index`; an address already gone is no error.
+    pub async fn del_host_addr(&self, index: u32, addr: Ipv4Addr) -> Result<(), NetdevError> {
+        let mut msg = AddressMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        msg.header.prefix_len = 32;
+        msg.header.index = index;
+        msg.attributes.push(AddressAttribute::Local(addr.into()));
+        match self.handle.address().del(msg).execute().await {
+            Err(e) if !is_errno(&e, libc::EADDRNOTAVAIL) && !is_errno(&e, libc::ENODEV) => {
+                Err(failed(format!("removing {addr}/32 from link {index}"))(e))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    async fn set_link(&self, msg: LinkMessage, what: String) -> Result<(), NetdevError> {
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(failed(what))
+    }
+
+    /// Sets link `index`'s gso_max_size.
+    pub async fn set_gso_max_size(&self, index: u32, size: u32) -> Result<(), NetdevError> {
+        let msg = LinkMessageBuilder::<LinkUnspec>::new()
+            .index(index)
+            .append_extra_attribute(LinkAttribute::GsoMaxSize(size))
+            .build();
+        self.set_link(msg, format!("setting gso_max_size {size} on link {index}"))
+            .await
+    }
+
+    /// Brings link `index` up with `mtu` and no IPv6 address generation (no link-local
+    /// address, so none of the kernel's IPv6 chatter is sent into it). Two requests: in one,
+    /// the kernel brings the link up before it applies the mode (seen here: a link-local
+    /// address on the TUN device).
+    pub async fn bring_up_without_ipv6(&self, index: u32, mtu: u32) -> Result<(), NetdevError> {
+        let no_ll =
+            LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![AfSpecInet6::AddrGenMode(
+                In6AddrGenMode::None,
+            )])]);
+        let msg = LinkMessageBuilder::<LinkUnspec>::new()
+            .index(index)
+            .mtu(mtu)
+            .append_extra_attribute(no_ll)
+            .build();
+        self.set_link(
+            msg,
+            format!("setting mtu {mtu} and no IPv6 on link {index}"),
+        )
+        .await?;
+        let up = LinkMessageBuilder::<LinkUnspec>::new()
+            .index(index)
+            .up()
+            .build();
+        self.set_link(up, format!("bringing link {index} up")).await
+    }
+
+    /// The link-layer address the neighbour table holds for `ip` on link `index`, if any.
+    /// One RTM_GETNEIGH for that address (hand-built: the crate's request dumps the whole
+    /// table, thousands of entries on a big fabric, for each connection setup).
+    pub async fn neighbour(&self, index: u32, ip: IpAddr) -> Result<Option<Vec<u8>>, NetdevError> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.ifindex = index;
+        let (family, dst) = match ip {
+            IpAddr::V4(v) => (AddressFamily::Inet, NeighbourAddress::Inet(v)),
+            IpAddr::V6(v) => (AddressFamily::Inet6, NeighbourAddress::Inet6(v)),
+        };
+        msg.header.family = family;
+        msg.attributes.push(NeighbourAttribute::Destination(dst));
+        let mut req = NetlinkMessage::from(RouteNetlinkMessage::GetNeighbour(msg));
+        req.header.flags = NLM_F_REQUEST;
+        let what = || format!("looking up neighbour {ip} on link {index}");
+        let mut responses = self.handle.clone().request(req).map_err(failed(what()))?;
+        while let Some(m) = responses.next().await {
+            match m.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n)) => {
+                    return Ok(n.attributes.into_iter().find_map(|a| match a {
+                        NeighbourAttribute::LinkLayerAddress(l) if !l.is_empty() => Some(l),
+                        _ => None,
+                    }));
+                }
+                NetlinkPayload::Error(e) if e.raw_code() == -libc::ENOENT => return Ok(None),
+                NetlinkPayload::Error(e) if e.code.is_some() => {
+                    return Err(NetdevError::Netlink {
+                        what: what(),
+                        source: e.to_io(),
+                    });
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Runs `f` with an [`Rtnl`] on a runtime of its own, for callers that have none (attach's
+/// checks, before the daemon's runtime starts).
+pub fn blocking<T>(f: impl AsyncFnOnce(&Rtnl) -> Result<T, NetdevError>) -> Result<T, NetdevError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|source| NetdevError::Netlink {
+            what: "starting a runtime for netlink".into(),
+            source,
+        })?;
+    rt.block_on(async {
+        let rtnl = Rtnl::new()?;
+        f(&rtnl).await
+    })
+}
+
+/// Keeps link `from`'s IPv4 addresses on link `to` as /32 without a prefix route: those
+/// there when made, then each one added or removed, as the kernel announces it. Ends when
+/// dropped.
+pub struct AddressMirror {
+    /// Owns the subscription's [`Rtnl`]: aborted, it drops it, which ends the connection.
+    task: JoinHandle<()>,
+}
+
+impl Drop for AddressMirror {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A link as the mirror names it in its log: index and name.
+#[derive(Debug, Clone)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+}
+
+impl AddressMirror {
+    /// Subscribes to IPv4 address changes first, then copies what `from` has now, so no
+    /// change between the two is missed. Must be called inside a tokio runtime.
+    pub async fn start(from: Link, to: Link) -> Result<Self, NetdevError> {
+        let (conn, handle, mut messages) =
+            rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).map_err(
+                |source| NetdevError::Netlink {
+                    what: "subscribing to address changes".into(),
+                    source,
+                },
+            )?;
+        let rtnl = Rtnl {
+            handle,
+            conn: tokio::spawn(conn),
+        };
+        for addr in rtnl.ipv4_addrs(from.index).await? {
+            rtnl.add_host_addr(to.index, addr).await?;
+            tracing::debug!("{}: {addr}/32, as on {}", to.name, from.name);
+        }
+        let task = tokio::spawn(async move {
+            while let Some((m, _)) = messages.next().await {
+                let NetlinkPayload::InnerMessage(m) = m.payload else {
+                    continue;
+                };
+                let (added, a) = match &m {
+                    RouteNetlinkMessage::NewAddress(a) => (true, a),
+                    RouteNetlinkMessage::DelAddress(a) => (false, a),
+                    _ => continue,
+                };
+                let Some((_, addr)) = ipv4_of(a).filter(|(i, _)| *i == from.index) else {
+                    continue;
+                };
+                let r = if added {
+                    rtnl.add_host_addr(to.index, addr).await
+                } else {
+                    rtnl.del_host_addr(to.index, addr).await
+                };
+                match r {
+                    Ok(()) => tracing::info!(
+                        "{}: {addr}/32 {}, as on {}",
+                        to.name,
+                        if added { "added" } else { "removed" },
+                        from.name
+                    ),
+                    Err(e) => tracing::warn!("{}: following {}: {e}", to.name, from.name),
+                }
+            }
+        });
+        Ok(Self { task })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The real kernel: `lo` exists in every network namespace, with 127.0.0.1, a
+    /// gso_max_size, no neighbours; reading needs no privilege.
+    #[test]
+    fn loopback_as_netlink_tells_it() {
+        rt().block_on(async {
+            let r = Rtnl::new().unwrap();
+            let lo = r.link("lo").await.unwrap();
+            assert_eq!(
+                lo.index,
+                crate::netdev::Netdev::lookup("lo").unwrap().ifindex
+            );
+            assert_eq!(lo.name, "lo");
+            assert_eq!(lo.address, vec![0u8; 6]);
+            assert_eq!(lo.mtu, Some(65536));
+            assert!(lo.gso_max_size.is_some_and(|g| g >= 65536), "{lo:?}");
+            assert_eq!(
+                r.ipv4_addrs(lo.index).await.unwrap(),
+                vec![Ipv4Addr::LOCALHOST]
+            );
+            assert_eq!(
+                r.neighbour(lo.index, "127.0.0.9".parse().unwrap())
+                    .await
+                    .unwrap(),
+                None
+            );
+            assert!(matches!(
+                r.link("nosuchif0").await,
+                Err(NetdevError::NotFound(n)) if n == "nosuchif0"
+            ));
+        });
+    }
+
+    #[test]
+    fn blocking_runs_without_a_runtime() {
+        let addrs = blocking(async |r| {
+            let lo = r.link("lo").await?;
+            r.ipv4_addrs(lo.index).await
+        })
+        .unwrap();
+        assert_eq!(addrs, vec![Ipv4Addr::LOCALHOST]);
+    }
+}
