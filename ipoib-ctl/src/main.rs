@@ -772,8 +772,14 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         {
             return exit::NO_RDMA;
         }
+        if let Some(n) = cause.downcast_ref::<NetdevError>() {
+            return if n.is_permanent() {
+                exit::BAD_INPUT
+            } else {
+                exit::FAILURE
+            };
+        }
         if cause.downcast_ref::<PolicyError>().is_some()
-            || cause.downcast_ref::<NetdevError>().is_some()
             || cause
                 .downcast_ref::<ipoib_ctl::iblink::LinkError>()
                 .is_some()
@@ -793,7 +799,9 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         if let Some(a) = cause.downcast_ref::<AttachError>() {
             match a {
                 AttachError::NotAttached { .. } => return exit::NOT_ATTACHED,
-                AttachError::Policy(_) | AttachError::Netdev(_) => return exit::BAD_INPUT,
+                AttachError::Policy(_) => return exit::BAD_INPUT,
+                AttachError::Netdev(n) if n.is_permanent() => return exit::BAD_INPUT,
+                AttachError::Netdev(_) => return exit::FAILURE,
                 AttachError::Datapath(DatapathError::Object(_)) => return exit::NO_PRIVILEGE,
                 _ => {}
             }

@@ -40,6 +40,21 @@ pub enum NetdevError {
     },
 }
 
+impl NetdevError {
+    /// Whether retrying cannot help: a name that is wrong or an interface of the wrong kind
+    /// (the operator's to fix), not a query that failed or an interface that is down (a
+    /// service started at boot may find it not yet up).
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            NetdevError::NotFound(_)
+                | NetdevError::BadName(_)
+                | NetdevError::Loopback { .. }
+                | NetdevError::Unsupported { .. }
+        )
+    }
+}
+
 /// One interface as the kernel reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Netdev {

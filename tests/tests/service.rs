@@ -388,3 +388,303 @@ fn node_exporter_serves_the_metrics_and_they_match_status() {
     }
     panic!("the scraped metrics never matched status --json: {last}");
 }
+
+/// A systemd user manager (the real one, Debian's) run by root beside the test: in a mount
+/// namespace of its own, where /run/systemd/system exists (systemd refuses to run a user
+/// instance on a machine not booted with it) on a tmpfs the host never sees. It runs
+/// services as root, like the system manager. Stopped (and with it its units) when dropped.
+struct UserManager {
+    child: std::process::Child,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+}
+
+impl UserManager {
+    fn start(dir: &Path) -> Self {
+        use std::time::{Duration, Instant};
+        let systemd = Path::new("/lib/systemd/systemd");
+        assert!(
+            systemd.exists(),
+            "no {} (Debian's systemd)",
+            systemd.display()
+        );
+        let rt = dir.join("rt");
+        std::fs::create_dir_all(&rt).unwrap();
+        std::fs::set_permissions(&rt, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        // The mount point; empty, and systemd's own directory.
+        std::fs::create_dir_all("/run/systemd").unwrap();
+        let env = vec![
+            ("XDG_RUNTIME_DIR".to_string(), rt.display().to_string()),
+            (
+                "XDG_CONFIG_HOME".to_string(),
+                dir.join("config").display().to_string(),
+            ),
+        ];
+        // Its log: a user manager closes stderr, so to "kmsg", here a file bound over
+        // /dev/kmsg (the host's kernel log stays clean).
+        let log = dir.join("manager.log");
+        std::fs::write(&log, "").unwrap();
+        let script = format!(
+            "set -e\nmount -t tmpfs tmpfs /run/systemd\nmkdir /run/systemd/system\n\
+             mount --bind {log} /dev/kmsg\nexec {} --user --log-target=kmsg \
+             --log-level=info",
+            systemd.display(),
+            log = log.display()
+        );
+        let child = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ])
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("unshare.log")).unwrap())
+            .spawn()
+            .expect("unshare");
+        let m = Self { child, env, log };
+        let private = rt.join("systemd/private");
+        let t = Instant::now();
+        while !private.exists() && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            private.exists(),
+            "the user manager did not start:\n{}",
+            m.log()
+        );
+        m
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn systemctl(&self, args: &[&str]) -> std::process::Output {
+        output(
+            Command::new("systemctl")
+                .args(["--user", "--no-pager"])
+                .args(args)
+                .envs(self.env.iter().map(|(k, v)| (k, v))),
+        )
+        .unwrap()
+    }
+
+    /// `systemctl show -p ...` of `unit` as key -> value.
+    fn show(&self, unit: &str) -> std::collections::HashMap<String, String> {
+        let out = self.systemctl(&[
+            "show",
+            unit,
+            "-p",
+            "ActiveState,SubState,MainPID,NRestarts,StatusText,Result,ExecMainStatus",
+        ]);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+}
+
+impl Drop for UserManager {
+    fn drop(&mut self) {
+        // SIGTERM: the manager stops its units, then exits.
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_secs(10)
+            && matches!(self.child.try_wait(), Ok(None))
+        {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The unit as shipped, for this machine: the binary this build's, the interface in the
+/// lab's namespace, and the watchdog at 3 s instead of 30 (for a short test). BindsTo/After
+/// on the device unit go: a manager without udev never sees a device unit (the unit would
+/// wait for it). Everything else (Type=notify, Restart, RestartPreventExitStatus,
+/// StartLimitIntervalSec, the policy file) is the shipped unit's.
+fn unit_for_test(ns: &str) -> String {
+    let shipped = unit_text();
+    for want in [
+        "/usr/local/sbin/ipoib-ctl",
+        "WatchdogSec=30s",
+        "BindsTo=sys-subsystem-net-devices-%i.device",
+        "After=sys-subsystem-net-devices-%i.device",
+        "[Service]\n",
+    ] {
+        assert!(shipped.contains(want), "the unit no longer has `{want}`");
+    }
+    shipped
+        .lines()
+        .filter(|l| !l.starts_with("BindsTo=") && !l.starts_with("After=sys-subsystem"))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .replace("/usr/local/sbin/ipoib-ctl", ctl_path().to_str().unwrap())
+        .replace("WatchdogSec=30s", "WatchdogSec=3s")
+        .replace(
+            "[Service]\n",
+            &format!("[Service]\nNetworkNamespacePath=/run/netns/{ns}\n"),
+        )
+}
+
+/// The unit under a real systemd manager: `start` returns once the daemon said READY, by
+/// then attached (its status names the pid systemd watches); `kill -9` is restarted; a
+/// stopped process (SIGSTOP) misses its watchdog pings and systemd aborts and restarts it;
+/// `stop` ends it cleanly. A name that is no interface fails once (exit 2, not restarted);
+/// an interface that is down is retried until it comes up.
+#[test]
+fn the_unit_under_a_real_systemd_restarts_and_fires_its_watchdog() {
+    use std::time::{Duration, Instant};
+
+    use ipoib_tests::lab::{Lab, lab_unavailable};
+    let test = "the_unit_under_a_real_systemd_restarts_and_fires_its_watchdog";
+    if let Some(why) = lab_unavailable() {
+        assert!(
+            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
+            "{test}: {why}"
+        );
+        ipoib_tests::loud_skip(test, &why);
+        return;
+    }
+    ipoib_tests::programs::require("systemctl").unwrap();
+    let lab = Lab::new("sdu", false).unwrap();
+    let a = lab.a.clone();
+    let dir = scratch("systemd");
+    let units = dir.join("config/systemd/user");
+    std::fs::create_dir_all(&units).unwrap();
+    std::fs::write(units.join("ipoib-ctl@.service"), unit_for_test(&a.ns)).unwrap();
+    let m = UserManager::start(&dir);
+    let unit = format!("ipoib-ctl@{}.service", a.iface);
+    let pid_of = |props: &std::collections::HashMap<String, String>| -> u32 {
+        props["MainPID"].parse().unwrap()
+    };
+    let wait_for =
+        |what: &str, done: &dyn Fn(&std::collections::HashMap<String, String>) -> bool| {
+            let t = Instant::now();
+            loop {
+                let p = m.show(&unit);
+                if done(&p) {
+                    eprintln!("{what} after {:.1?}: {p:?}", t.elapsed());
+                    return p;
+                }
+                assert!(
+                    t.elapsed() < Duration::from_secs(30),
+                    "{what}: not within 30 s: {p:?}\nthe manager's log:\n{}",
+                    m.log()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        };
+    let loop_pid = || a.status().ok().and_then(|s| s.loop_pid);
+
+    // Started: READY came after attach.
+    let t = Instant::now();
+    let out = m.systemctl(&["start", &unit]);
+    assert!(out.status.success(), "start: {out:?}\n{}", m.log());
+    let (p, took) = (m.show(&unit), t.elapsed());
+    eprintln!("started in {took:.1?}: {p:?}");
+    assert_eq!((&*p["ActiveState"], &*p["SubState"]), ("active", "running"));
+    assert_eq!(p["NRestarts"], "0");
+    assert!(!p["StatusText"].is_empty(), "no STATUS= sent: {p:?}");
+    let first = pid_of(&p);
+    assert_eq!(
+        loop_pid(),
+        Some(first),
+        "READY before the loop was attached"
+    );
+
+    // kill -9: restarted, and the new process runs the loop.
+    // SAFETY: a signal to the service's process.
+    unsafe { libc::kill(first as i32, libc::SIGKILL) };
+    let p = wait_for("restarted after kill -9", &|p| {
+        p["SubState"] == "running" && pid_of(p) != first && pid_of(p) != 0
+    });
+    assert_eq!(p["NRestarts"], "1");
+    let second = pid_of(&p);
+    let adopted = Instant::now();
+    while loop_pid() != Some(second) && adopted.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(loop_pid(), Some(second));
+
+    // Stopped: no more WATCHDOG=1. systemd's watchdog fires (SIGABRT, and SIGCONT so a
+    // stopped process takes it), then the restart.
+    unsafe { libc::kill(second as i32, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    let p = wait_for("restarted after SIGSTOP", &|p| {
+        p["SubState"] == "running" && pid_of(p) != second && pid_of(p) != 0
+    });
+    let after = stopped.elapsed();
+    assert_eq!(p["NRestarts"], "2");
+    let log = m.log();
+    let fired: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(&unit) && l.contains("atchdog"))
+        .collect();
+    eprintln!("restarted {after:.1?} after SIGSTOP (WatchdogSec=3s); the manager said: {fired:#?}");
+    assert!(
+        fired.iter().any(|l| l.contains("Watchdog timeout")),
+        "no watchdog timeout in the manager's log:\n{log}"
+    );
+    assert!(
+        after >= Duration::from_millis(2500),
+        "restarted before the watchdog's 3 s"
+    );
+
+    // Stopped by the operator: a clean exit.
+    let out = m.systemctl(&["stop", &unit]);
+    assert!(out.status.success(), "{out:?}");
+    let p = m.show(&unit);
+    eprintln!("stopped: {p:?}");
+    assert_eq!((&*p["ActiveState"], &*p["Result"]), ("inactive", "success"));
+
+    // No such interface: bad configuration, exit 2, not restarted.
+    let bad = "ipoib-ctl@nosuch0.service";
+    assert!(!m.systemctl(&["start", bad]).status.success());
+    std::thread::sleep(Duration::from_secs(5));
+    let p = m.show(bad);
+    eprintln!("{bad}: {p:?}");
+    assert_eq!(
+        (&*p["ActiveState"], &*p["ExecMainStatus"], &*p["NRestarts"]),
+        ("failed", "2", "0")
+    );
+
+    // Down at start (the device exists before it is up, as at boot): retried until up.
+    let down = "sdudown0";
+    let ip = |args: &[&str]| {
+        let out = a.cmd("ip").args(args).output().unwrap();
+        assert!(out.status.success(), "ip {args:?}");
+    };
+    ip(&[
+        "link", "add", down, "type", "veth", "peer", "name", "sdudown1",
+    ]);
+    let late = format!("ipoib-ctl@{down}.service");
+    assert!(!m.systemctl(&["start", &late]).status.success());
+    std::thread::sleep(Duration::from_secs(3));
+    ip(&["link", "set", "sdudown1", "up"]);
+    ip(&["link", "set", down, "up"]);
+    let t = Instant::now();
+    let p = loop {
+        let p = m.show(&late);
+        if p["SubState"] == "running" || t.elapsed() > Duration::from_secs(20) {
+            break p;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("{late} once {down} was up: {p:?}");
+    assert_eq!(p["SubState"], "running", "{}", m.log());
+    assert!(p["NRestarts"].parse::<u32>().unwrap() >= 1, "{p:?}");
+    let _ = m.systemctl(&["stop", &late]);
+    let _ = a.ctl(&["detach", down]);
+    drop(m);
+    drop(lab);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
