@@ -137,7 +137,7 @@ pub const PROGRAMS: &[Program] = &[
         "unshare",
         "util-linux",
         Host,
-        "a mount namespace for the journald test's own journal",
+        "a mount namespace for the journald test's journal and the systemd user manager",
     ),
     deb(
         "stat",
@@ -145,7 +145,18 @@ pub const PROGRAMS: &[Program] = &[
         Host,
         "JOURNAL_STREAM in the journald test",
     ),
-    deb("sh", "dash", Host, "the journald test's script"),
+    deb(
+        "sh",
+        "dash",
+        Host,
+        "the journald and systemd tests' scripts",
+    ),
+    deb(
+        "mount",
+        "mount",
+        Host,
+        "tmpfs and bind mounts in those scripts' mount namespaces",
+    ),
     // the operator's side: the unit, the journal, the man pages
     deb(
         "systemd-analyze",
@@ -163,7 +174,8 @@ pub const PROGRAMS: &[Program] = &[
         "systemctl",
         "systemd",
         Host,
-        "xtask install: daemon-reload where systemd runs",
+        "the unit under a systemd user manager (its package brings /lib/systemd/systemd); \
+         xtask install: daemon-reload where systemd runs",
     ),
     deb(
         "prometheus-node-exporter",
