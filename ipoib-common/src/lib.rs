@@ -50,13 +50,30 @@ pub mod map_names {
     pub const HEARTBEAT: &str = "ipoib_heartbeat";
     /// `HashMap<PeerKey, PeerEntry>`: per-peer state written by the control plane.
     pub const PEERS: &str = "ipoib_peers";
-    /// `LruPerCpuHashMap<PeerKey, PeerTraffic>`: per-peer traffic counted by the fast path.
-    pub const TRAFFIC: &str = "ipoib_traffic";
-    /// `PerCpuArray<Counter, REASON_COUNT>`: packets and bytes per decision reason.
+    /// `PerCpuArray<PeerTraffic, MAX_TRAFFIC_PEERS>`: per-peer traffic counted by the fast
+    /// path, at the slot the peer's entry names (`PeerEntry::traffic_slot`; slot 0 unused).
+    pub const TRAFFIC: &str = "ipoib_slot_traf";
+    /// `LruHashMap<PeerKey, PeerTraffic, MAX_UNKNOWN_PEERS>`: traffic of peers with no slot
+    /// yet (no entry, or one without a slot), counted apart until the control plane gives
+    /// them one; also how it learns of new peers.
+    pub const UNKNOWN: &str = "ipoib_unknown";
+    /// `PerCpuArray<Counter, REASON_SLOTS>`: packets and bytes per decision reason, as the
+    /// programs count them (`[0, REASON_COUNT)`), then as the attachment this one replaced
+    /// left them (`[REASON_COUNT, REASON_SLOTS)`, written once, by the control plane).
     pub const REASONS: &str = "ipoib_reasons";
 
-    pub const ALL: [&str; 5] = [POLICY, HEARTBEAT, PEERS, TRAFFIC, REASONS];
+    pub const ALL: [&str; 6] = [POLICY, HEARTBEAT, PEERS, TRAFFIC, UNKNOWN, REASONS];
+
+    /// Maps of earlier layouts, which an attach of this version replaces (with the
+    /// programs that use them) when it adopts their pins.
+    pub const TRAFFIC_V1: &str = "ipoib_traffic";
 }
+
+/// The layout of the maps and programs above. Kept with the pins (`layout` in the attach
+/// state): an attach that adopts pins of another layout replaces them.
+/// 1: per-peer traffic in an LRU per-CPU hash keyed by address (two hash lookups per packet).
+/// 2: per-peer traffic in a per-CPU array at a slot kept in the peer's entry.
+pub const LAYOUT: u32 = 2;
 
 /// Program names in the eBPF object.
 pub mod prog_names {
@@ -66,9 +83,12 @@ pub mod prog_names {
 
 /// Capacity of the peers map (control-plane state per peer).
 pub const MAX_PEERS: u32 = 16384;
-/// Capacity of the per-peer traffic map (LRU: the least recently seen peer is evicted).
+/// Slots of the per-peer traffic array (slot 0 unused: an entry without a slot has 0).
 /// Memory is `MAX_TRAFFIC_PEERS * size_of::<PeerTraffic>() * possible CPUs`.
 pub const MAX_TRAFFIC_PEERS: u32 = 8192;
+/// Capacity of the map of peers with no traffic slot yet (LRU: one shared copy, not per CPU;
+/// a peer stays there for a tick of the control loop at most while slots are free).
+pub const MAX_UNKNOWN_PEERS: u32 = 4096;
 
 /// Address family tags in [`PeerKey::family`].
 pub const FAMILY_IPV4: u8 = 4;
@@ -79,7 +99,10 @@ pub const FAMILY_IPV6: u8 = 6;
 /// On IPoIB ingress the source GID/QPN is not in the packet (the driver zeroes the pseudo
 /// header), so the IP address is the only identity both directions share.
 /// IPv4 addresses sit in the first four bytes of `addr`, the rest zero.
-#[repr(C)]
+///
+/// Aligned to 4 (the map sees 20 bytes either way): the fast path copies keys with five
+/// 4-byte moves instead of twenty 1-byte ones.
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerKey {
     pub addr: [u8; 16],
@@ -89,6 +112,13 @@ pub struct PeerKey {
 }
 
 impl PeerKey {
+    /// All zeros: no peer (family 0 is neither IPv4 nor IPv6).
+    pub const ZERO: Self = Self {
+        addr: [0; 16],
+        family: 0,
+        _pad: [0; 3],
+    };
+
     #[inline(always)]
     pub const fn v4(a: [u8; 4]) -> Self {
         Self {
@@ -217,7 +247,9 @@ pub struct PeerEntry {
     pub cm_ifindex: u32,
     /// Bumped by the control plane every time the entry's connection changes.
     pub generation: u32,
-    pub _pad1: [u8; 4],
+    /// The peer's slot in the traffic array; 0: none yet (its traffic is counted in the
+    /// unknown map). Given by the control plane; kept by every writer of the entry.
+    pub traffic_slot: u32,
 }
 
 /// [`Policy::mode`]: the interface-wide mode.
@@ -248,8 +280,9 @@ pub struct Policy {
     pub heartbeat_timeout_ns: u64,
     /// TCP port of the CM handshake: its traffic always goes UD (it must not depend on CM).
     pub ctl_port: u16,
-    /// 1 when at least one peer is pinned `BLOCK`: only then does ingress look peers up
-    /// (saves a hash lookup per received packet). The control plane keeps it in step.
+    /// 1 when at least one peer is pinned `BLOCK`: only then does ingress drop. The control
+    /// plane keeps it in step. (In layout 1 it spared ingress a lookup; since layout 2
+    /// ingress looks every source up once anyway, for its traffic slot.)
     pub any_blocked: u8,
     pub _pad: [u8; 5],
 }
@@ -359,6 +392,8 @@ pub enum Reason {
 }
 
 pub const REASON_COUNT: u32 = 21;
+/// Entries of the reasons map: what the programs count, then what was carried over.
+pub const REASON_SLOTS: u32 = 2 * REASON_COUNT;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -488,7 +523,7 @@ mod tests {
     /// between the eBPF object and every control plane that adopts its pinned maps.
     #[test]
     fn layouts_are_pinned() {
-        assert_eq!((size_of::<PeerKey>(), align_of::<PeerKey>()), (20, 1));
+        assert_eq!((size_of::<PeerKey>(), align_of::<PeerKey>()), (20, 4));
         assert_eq!(offset_of!(PeerKey, family), 16);
 
         assert_eq!((size_of::<PeerEntry>(), align_of::<PeerEntry>()), (16, 4));
@@ -496,6 +531,7 @@ mod tests {
         assert_eq!(offset_of!(PeerEntry, pin), 1);
         assert_eq!(offset_of!(PeerEntry, cm_ifindex), 4);
         assert_eq!(offset_of!(PeerEntry, generation), 8);
+        assert_eq!(offset_of!(PeerEntry, traffic_slot), 12);
 
         assert_eq!((size_of::<Policy>(), align_of::<Policy>()), (24, 8));
         assert_eq!(offset_of!(Policy, link_type), 0);

@@ -38,10 +38,10 @@ use crate::{
 pub const PIN_ROOT: &str = "/sys/fs/bpf/ipoib";
 pub const RUN_DIR: &str = "/run/ipoib-ctl";
 
-const PROG_EGRESS: &str = "prog_egress";
-const PROG_INGRESS: &str = "prog_ingress";
-const LINK_EGRESS: &str = "link_egress";
-const LINK_INGRESS: &str = "link_ingress";
+pub(crate) const PROG_EGRESS: &str = "prog_egress";
+pub(crate) const PROG_INGRESS: &str = "prog_ingress";
+pub(crate) const LINK_EGRESS: &str = "link_egress";
+pub(crate) const LINK_INGRESS: &str = "link_ingress";
 
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
@@ -88,7 +88,10 @@ pub enum AttachError {
 
 type Result<T> = std::result::Result<T, AttachError>;
 
-fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> AttachError + 'a {
+pub(crate) fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> AttachError + 'a {
     move |source| AttachError::Io {
         what,
         path: path.to_path_buf(),
@@ -123,6 +126,14 @@ pub struct AttachState {
     /// elsewhere can tell an interface in another namespace from one that is gone.
     #[serde(default)]
     pub netns: Option<u64>,
+    /// The layout of the pinned maps and programs (`ipoib_common::LAYOUT` when this version
+    /// attached them; a state written before layouts were recorded is layout 1).
+    #[serde(default = "first_layout")]
+    pub layout: u32,
+}
+
+fn first_layout() -> u32 {
+    1
 }
 
 /// The inode of this process's network namespace.
@@ -323,6 +334,7 @@ fn fresh_attach(
         max_connections: change.and_then(|c| c.max_connections),
         loop_pid: None,
         netns: current_netns(),
+        layout: ipoib_common::LAYOUT,
     };
     write_state(&state)?;
     // The maps stay pinned; reopen them from the pins so a fresh attach and an adoption hold
@@ -336,7 +348,7 @@ fn fresh_attach(
     })
 }
 
-fn prog_err<'a>(
+pub(crate) fn prog_err<'a>(
     what: &'static str,
     iface: &'a str,
 ) -> impl FnOnce(ProgramError) -> AttachError + 'a {
@@ -347,7 +359,7 @@ fn prog_err<'a>(
     }
 }
 
-fn bpffs_err(e: impl std::fmt::Display) -> AttachError {
+pub(crate) fn bpffs_err(e: impl std::fmt::Display) -> AttachError {
     AttachError::Bpffs(e.to_string())
 }
 
@@ -423,6 +435,7 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
         max_connections: None,
         loop_pid: None,
         netns: None,
+        layout: crate::upgrade::pinned_layout(&dir),
     });
     // Adopted here: this is its namespace now.
     state.netns = current_netns();
@@ -433,6 +446,17 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
             pinned: state.ifindex,
             now: dev.ifindex,
         });
+    }
+    match crate::upgrade::pinned_layout(&dir) {
+        ipoib_common::LAYOUT => {}
+        1 => state = crate::upgrade::from_layout_1(dev, &dir, state)?,
+        other => {
+            return Err(AttachError::Bpffs(format!(
+                "{}: pins of an unknown layout ({other}); `ipoib-ctl detach {}` removes them",
+                dir.display(),
+                dev.name
+            )));
+        }
     }
     let mut maps = DatapathMaps::from_pins(&dir)?;
     if let Some(c) = change {

@@ -138,6 +138,9 @@ async fn run_loop(
     let mut metrics_tick = tokio::time::interval(METRICS_EVERY);
     metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut metrics_failed = false;
+    let mut slots_tick = tokio::time::interval(SLOTS_EVERY);
+    slots_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut slots_short = false;
     let beat = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(beat);
     let mut withheld = false;
@@ -152,6 +155,7 @@ async fn run_loop(
                 let next = heartbeat(att, manager.as_mut(), &mut withheld, notify)?;
                 beat.as_mut().reset(tokio::time::Instant::now() + next);
             }
+            _ = slots_tick.tick() => assign_slots(iface, att, &mut slots_short),
             _ = metrics_tick.tick(), if metrics.is_some() => {
                 if let Some(m) = metrics {
                     write_metrics(iface, m, &mut metrics_failed);
@@ -171,6 +175,39 @@ async fn run_loop(
                 }
             }
         }
+    }
+}
+
+/// How often peers the fast path counts apart get a traffic slot.
+const SLOTS_EVERY: Duration = Duration::from_secs(1);
+/// A UD, unpinned peer silent this long gives its entry and slot back.
+const SLOT_IDLE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Gives new peers their traffic slots (see `DatapathMaps::assign_slots`); says once when
+/// slots run out and once when they suffice again.
+fn assign_slots(iface: &str, att: &mut Attached, short: &mut bool) {
+    let idle = SLOT_IDLE_LIMIT.as_nanos() as u64;
+    match att.maps.assign_slots(monotonic_ns(), idle) {
+        Ok(r) => {
+            if r.assigned + r.reclaimed > 0 {
+                tracing::debug!("{iface}: traffic slots: {r:?}");
+            }
+            if (r.waiting > 0) != *short {
+                *short = r.waiting > 0;
+                if *short {
+                    tracing::warn!(
+                        "{iface}: every traffic slot is taken ({} peers): {} counted apart \
+                         until one is idle for {} s",
+                        r.in_use,
+                        r.waiting,
+                        SLOT_IDLE_LIMIT.as_secs()
+                    );
+                } else {
+                    tracing::info!("{iface}: every peer has a traffic slot again");
+                }
+            }
+        }
+        Err(e) => tracing::warn!("{iface}: assigning traffic slots: {e}"),
     }
 }
 

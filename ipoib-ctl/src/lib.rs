@@ -27,4 +27,5 @@ pub mod service;
 pub mod signals;
 pub mod status;
 pub mod tun;
+pub mod upgrade;
 pub mod verbs;

@@ -4,10 +4,11 @@ use std::path::{Path, PathBuf};
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues},
+    maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues},
 };
 use ipoib_common::{
-    Counter, Heartbeat, PeerEntry, PeerKey, PeerTraffic, Policy, Reason, map_names,
+    Counter, Heartbeat, MAX_TRAFFIC_PEERS, PeerEntry, PeerKey, PeerTraffic, Policy, REASON_COUNT,
+    Reason, map_names, peer_mode, peer_pin,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +27,8 @@ pub enum MapsError {
         #[source]
         source: MapError,
     },
+    #[error("counting the possible CPUs: {0}")]
+    Cpus(#[source] std::io::Error),
     #[error("pinning map {name} at {}: {source}", path.display())]
     Pin {
         name: &'static str,
@@ -37,13 +40,27 @@ pub enum MapsError {
 
 type Result<T> = std::result::Result<T, MapsError>;
 
-/// The five maps of the fast path; see `ipoib_common::map_names` for what each holds.
+/// The six maps of the fast path; see `ipoib_common::map_names` for what each holds.
 pub struct DatapathMaps {
     pub policy: Array<MapData, Policy>,
     pub heartbeat: Array<MapData, Heartbeat>,
     pub peers: HashMap<MapData, PeerKey, PeerEntry>,
-    pub traffic: PerCpuHashMap<MapData, PeerKey, PeerTraffic>,
+    pub traffic: PerCpuArray<MapData, PeerTraffic>,
+    pub unknown: HashMap<MapData, PeerKey, PeerTraffic>,
     pub reasons: PerCpuArray<MapData, Counter>,
+}
+
+/// What [`DatapathMaps::assign_slots`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotReport {
+    /// Peers given a traffic slot (their counts so far carried into it).
+    pub assigned: usize,
+    /// Entries removed: UD, unpinned, silent for longer than the idle limit.
+    pub reclaimed: usize,
+    /// Peers left counted apart: no slot was free.
+    pub waiting: usize,
+    /// Slots in use afterwards.
+    pub in_use: usize,
 }
 
 /// Maps an error of the map `name` into ours.
@@ -76,6 +93,7 @@ impl DatapathMaps {
             heartbeat: typed(map_names::HEARTBEAT, take(map_names::HEARTBEAT)?)?,
             peers: typed(map_names::PEERS, take(map_names::PEERS)?)?,
             traffic: typed(map_names::TRAFFIC, take(map_names::TRAFFIC)?)?,
+            unknown: typed(map_names::UNKNOWN, take(map_names::UNKNOWN)?)?,
             reasons: typed(map_names::REASONS, take(map_names::REASONS)?)?,
         })
     }
@@ -93,6 +111,7 @@ impl DatapathMaps {
             heartbeat: typed(map_names::HEARTBEAT, open(map_names::HEARTBEAT)?)?,
             peers: typed(map_names::PEERS, open(map_names::PEERS)?)?,
             traffic: typed(map_names::TRAFFIC, open(map_names::TRAFFIC)?)?,
+            unknown: typed(map_names::UNKNOWN, open(map_names::UNKNOWN)?)?,
             reasons: typed(map_names::REASONS, open(map_names::REASONS)?)?,
         })
     }
@@ -156,22 +175,137 @@ impl DatapathMaps {
             .map_err(in_map(map_names::PEERS))
     }
 
-    /// One peer's traffic, summed over CPUs; `None` when the fast path has not seen it.
-    pub fn traffic_of(&self, key: &PeerKey) -> Result<Option<PeerTraffic>> {
-        match self.traffic.get(key, 0) {
-            Ok(per_cpu) => Ok(Some(sum_traffic(&per_cpu))),
+    /// The traffic counted at `slot`, summed over CPUs.
+    fn slot_traffic(&self, slot: u32) -> Result<PeerTraffic> {
+        self.traffic
+            .get(&slot, 0)
+            .map(|v| sum_traffic(&v))
+            .map_err(in_map(map_names::TRAFFIC))
+    }
+
+    /// What the unknown map holds for `key`, if anything.
+    fn unknown_of(&self, key: &PeerKey) -> Result<Option<PeerTraffic>> {
+        match self.unknown.get(key, 0) {
+            Ok(t) => Ok(Some(t)),
             Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(in_map(map_names::TRAFFIC)(e)),
+            Err(e) => Err(in_map(map_names::UNKNOWN)(e)),
         }
     }
 
-    /// Every peer's traffic, summed over CPUs.
+    /// One peer's traffic, summed over CPUs: at its slot, or counted apart while it has
+    /// none; `None` when the fast path has not seen it.
+    pub fn traffic_of(&self, key: &PeerKey) -> Result<Option<PeerTraffic>> {
+        match self.peer(key)? {
+            Some(e) if e.traffic_slot != 0 => Ok(Some(self.slot_traffic(e.traffic_slot)?)),
+            _ => self.unknown_of(key),
+        }
+    }
+
+    /// Every peer's traffic, summed over CPUs: those with a slot, then those counted apart.
     pub fn traffic(&self) -> Result<Vec<(PeerKey, PeerTraffic)>> {
-        self.traffic
+        let mut all = Vec::new();
+        let mut slotted = std::collections::HashSet::new();
+        for (k, e) in self.peers()? {
+            if e.traffic_slot != 0 {
+                all.push((k, self.slot_traffic(e.traffic_slot)?));
+                slotted.insert(k);
+            }
+        }
+        for r in self.unknown.iter() {
+            let (k, t) = r.map_err(in_map(map_names::UNKNOWN))?;
+            if !slotted.contains(&k) {
+                all.push((k, t));
+            }
+        }
+        Ok(all)
+    }
+
+    /// Gives every peer counted apart a traffic slot (its counts so far carried into it),
+    /// and takes back the entries that hold nothing any more: UD and unpinned, and idle past
+    /// `idle_limit_ns` (or with no slot and no traffic). Stateless: the free slots are those
+    /// no entry names, so a slot lost to another writer (set-policy rewriting an entry it
+    /// read before) comes back, and one named twice is kept by one entry only. `now_ns` is
+    /// the fast path's clock (CLOCK_MONOTONIC).
+    pub fn assign_slots(&mut self, now_ns: u64, idle_limit_ns: u64) -> Result<SlotReport> {
+        let mut report = SlotReport::default();
+        let waiting: std::collections::BTreeMap<PeerKey, PeerTraffic> = self
+            .unknown
             .iter()
-            .map(|r| r.map(|(k, v)| (k, sum_traffic(&v))))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(in_map(map_names::TRAFFIC))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(in_map(map_names::UNKNOWN))?;
+        let mut used = vec![false; MAX_TRAFFIC_PEERS as usize];
+        used[0] = true;
+        for (k, e) in self.peers()? {
+            let slot = e.traffic_slot as usize;
+            let holds_nothing = e.mode == peer_mode::UD && e.pin == peer_pin::AUTO;
+            if slot == 0 || slot >= used.len() {
+                if holds_nothing && !waiting.contains_key(&k) {
+                    self.remove_peer(&k)?;
+                    report.reclaimed += 1;
+                }
+                continue;
+            }
+            if used[slot] {
+                // Named twice: this one counts apart until it gets a slot of its own.
+                self.set_peer(
+                    k,
+                    PeerEntry {
+                        traffic_slot: 0,
+                        ..e
+                    },
+                )?;
+                continue;
+            }
+            let t = self.slot_traffic(e.traffic_slot)?;
+            if holds_nothing && now_ns.saturating_sub(t.last_seen_ns) > idle_limit_ns {
+                self.remove_peer(&k)?;
+                report.reclaimed += 1;
+                continue;
+            }
+            used[slot] = true;
+        }
+        let in_use = used.iter().filter(|u| **u).count() - 1;
+        let mut free = (1..used.len()).filter(|s| !used[*s]);
+        let ncpus = aya::util::nr_cpus().map_err(|(_, e)| MapsError::Cpus(e))?;
+        for (k, t) in waiting {
+            let Some(slot) = free.next() else {
+                report.waiting += 1;
+                continue;
+            };
+            self.give_slot(k, slot as u32, t, ncpus)?;
+            report.assigned += 1;
+        }
+        report.in_use = in_use + report.assigned;
+        Ok(report)
+    }
+
+    /// `key` counts at `slot` from now, which starts with `so_far` (this CPU's copy; the
+    /// others at zero); its entry in the unknown map goes.
+    fn give_slot(
+        &mut self,
+        key: PeerKey,
+        slot: u32,
+        so_far: PeerTraffic,
+        ncpus: usize,
+    ) -> Result<()> {
+        let mut values = vec![PeerTraffic::default(); ncpus];
+        values[0] = so_far;
+        let values = PerCpuValues::try_from(values).map_err(MapsError::Cpus)?;
+        self.traffic
+            .set(slot, values, 0)
+            .map_err(in_map(map_names::TRAFFIC))?;
+        let entry = self.peer(&key)?.unwrap_or_default();
+        self.set_peer(
+            key,
+            PeerEntry {
+                traffic_slot: slot,
+                ..entry
+            },
+        )?;
+        match self.unknown.remove(&key) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(in_map(map_names::UNKNOWN)(e)),
+        }
     }
 
     /// Packets and bytes per reason, summed over CPUs, in `Reason::ALL` order.
@@ -179,14 +313,17 @@ impl DatapathMaps {
         Reason::ALL
             .iter()
             .map(|&r| {
-                let per_cpu = self
-                    .reasons
-                    .get(&(r as u32), 0)
-                    .map_err(in_map(map_names::REASONS))?;
                 let mut sum = Counter::default();
-                for c in per_cpu.iter() {
-                    sum.packets += c.packets;
-                    sum.bytes += c.bytes;
+                // Counted here, then carried from the attachment this one replaced.
+                for i in [r as u32, r as u32 + REASON_COUNT] {
+                    let per_cpu = self
+                        .reasons
+                        .get(&i, 0)
+                        .map_err(in_map(map_names::REASONS))?;
+                    for c in per_cpu.iter() {
+                        sum.packets += c.packets;
+                        sum.bytes += c.bytes;
+                    }
                 }
                 Ok((r, sum))
             })

@@ -124,6 +124,11 @@ impl Rtnl {
         })
     }
 
+    /// The crate's handle, for requests this module does not wrap.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
     /// `name`'s index, hardware address, MTU and gso_max_size.
     pub async fn link(&self, name: &str) -> Result<LinkInfo, NetdevError> {
         let mut links = self

@@ -16,14 +16,14 @@ mod parse;
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_OK, xdp_action},
-    btf_maps::{Array, HashMap, LruPerCpuHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     helpers::{bpf_check_mtu, bpf_ktime_get_coarse_ns, bpf_redirect},
     macros::{btf_map, classifier, xdp},
     programs::{TcContext, XdpContext},
 };
 use ipoib_common::{
-    Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, PeerEntry, PeerKey,
-    PeerTraffic, Policy, REASON_COUNT, Reason, global_mode, peer_mode, peer_pin,
+    Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, MAX_UNKNOWN_PEERS, PeerEntry,
+    PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason, global_mode, peer_mode, peer_pin,
 };
 use parse::{Frame, PARSE_MAX, ParseError, parse};
 
@@ -36,12 +36,15 @@ static HEARTBEAT: Array<Heartbeat, 1> = Array::new();
 #[btf_map(name = "ipoib_peers")]
 static PEERS: HashMap<PeerKey, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "ipoib_traffic")]
-static TRAFFIC: LruPerCpuHashMap<PeerKey, PeerTraffic, { MAX_TRAFFIC_PEERS as usize }> =
-    LruPerCpuHashMap::new();
+#[btf_map(name = "ipoib_slot_traf")]
+static TRAFFIC: PerCpuArray<PeerTraffic, { MAX_TRAFFIC_PEERS as usize }> = PerCpuArray::new();
+
+#[btf_map(name = "ipoib_unknown")]
+static UNKNOWN: LruHashMap<PeerKey, PeerTraffic, { MAX_UNKNOWN_PEERS as usize }> =
+    LruHashMap::new();
 
 #[btf_map(name = "ipoib_reasons")]
-static REASONS: PerCpuArray<Counter, { REASON_COUNT as usize }> = PerCpuArray::new();
+static REASONS: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArray::new();
 
 #[inline(always)]
 fn count(reason: Reason, bytes: u64) {
@@ -54,15 +57,57 @@ fn count(reason: Reason, bytes: u64) {
     }
 }
 
-/// The per-CPU traffic slot of `key`, created zeroed on first sight.
+/// Where the traffic of `key` is counted: this CPU's copy of its slot (`slot`, from its
+/// entry: found without a second hash lookup); else, for a peer with no slot yet, its entry
+/// in the unknown map (one shared copy: counts from CPUs at once may be lost, which only
+/// delays the peer's first tick by that much), created on first sight.
 #[inline(always)]
-fn traffic(key: &PeerKey) -> Option<*mut PeerTraffic> {
-    if let Some(t) = TRAFFIC.get_ptr_mut(key) {
+fn traffic(key: &PeerKey, slot: u32) -> Option<*mut PeerTraffic> {
+    if slot != 0 {
+        return TRAFFIC.get_ptr_mut(slot);
+    }
+    if let Some(t) = UNKNOWN.get_ptr_mut(key) {
         return Some(t);
     }
     // Another CPU may insert concurrently: NOEXIST makes that harmless.
-    let _ = TRAFFIC.insert(key, PeerTraffic::default(), BPF_NOEXIST as u64);
-    TRAFFIC.get_ptr_mut(key)
+    let _ = UNKNOWN.insert(key, PeerTraffic::default(), BPF_NOEXIST as u64);
+    UNKNOWN.get_ptr_mut(key)
+}
+
+/// What the one lookup found of a peer: a copy of its entry (no map pointer is kept across
+/// the program), all zeros where there is none. Not an `Option<PeerEntry>`: the payload of
+/// its `None` is undefined, and the verifier refuses code that reads or spills undefined
+/// registers (seen: "R3 !read_ok", "invalid size of register spill").
+#[derive(Clone, Copy)]
+struct Peer {
+    found: bool,
+    entry: PeerEntry,
+}
+
+impl Peer {
+    const NONE: Self = Self {
+        found: false,
+        entry: PeerEntry {
+            mode: 0,
+            pin: 0,
+            _pad0: [0; 2],
+            cm_ifindex: 0,
+            generation: 0,
+            traffic_slot: 0,
+        },
+    };
+
+    #[inline(always)]
+    fn of(key: &PeerKey) -> Self {
+        match PEERS.get_ptr(key) {
+            // SAFETY: a map value the control plane replaces whole; read once.
+            Some(p) => Self {
+                found: true,
+                entry: unsafe { *p },
+            },
+            None => Self::NONE,
+        }
+    }
 }
 
 #[classifier]
@@ -128,21 +173,23 @@ fn egress(ctx: &TcContext) -> i32 {
     // The coarse clock (a tick's resolution) is plenty for last-seen and a deadline of
     // seconds, and cheaper than bpf_ktime_get_ns. Read once, and only for unicast IP: the
     // only packets that use it.
-    let dst = frame.unicast_dst();
-    let now = if dst.is_some() {
+    let unicast = frame.unicast();
+    let now = if unicast {
         unsafe { bpf_ktime_get_coarse_ns() }
     } else {
         0
     };
-    let mut verdict = decide(&frame, policy, l3_len, now);
+    // The one hash lookup: the peer's entry decides its path and names its traffic slot.
+    // One copy of the key, which both lookups below are given.
+    let dst = frame.dst;
+    let peer = if unicast { Peer::of(&dst) } else { Peer::NONE };
+    let mut verdict = decide(&frame, policy, &peer, l3_len, now);
     if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, verdict.cm_ifindex) {
         verdict = Verdict::ud(Reason::TxUdCmDeviceGone, kernel_cm_forbidden(policy));
     }
     count(verdict.reason, l3_len);
 
-    if let Some(dst) = dst
-        && let Some(t) = traffic(&dst)
-    {
+    if unicast && let Some(t) = traffic(&dst, peer.entry.traffic_slot) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe {
             if verdict.reason == Reason::TxCmRedirect {
@@ -170,11 +217,11 @@ fn egress(ctx: &TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn decide(frame: &Frame, policy: &Policy, l3_len: u64, now: u64) -> Verdict {
-    let Some(dst) = frame.dst else {
+fn decide(frame: &Frame, policy: &Policy, peer: &Peer, l3_len: u64, now: u64) -> Verdict {
+    if !frame.ip {
         // Not IP (ARP, or an ethertype we do not handle): the kernel sends it UD itself.
         return Verdict::ud(frame.non_ip_reason(), false);
-    };
+    }
     if frame.multicast {
         return Verdict::ud(Reason::TxUdMulticast, false);
     }
@@ -190,14 +237,13 @@ fn decide(frame: &Frame, policy: &Policy, l3_len: u64, now: u64) -> Verdict {
     }
     let small = l3_len < policy.cm_min_bytes as u64;
     if small && global_forbids {
-        // Whatever the peer's state, this packet goes UD with kernel CM forbidden: spare the
-        // peer lookup (the common case for small packets).
+        // Whatever the peer's state, this packet goes UD with kernel CM forbidden.
         return Verdict::ud(Reason::TxUdSmall, true);
     }
-    // SAFETY: the entry is only read here, before any insert or remove on this map.
-    let Some(peer) = (unsafe { PEERS.get(dst) }) else {
+    if !peer.found {
         return Verdict::ud(Reason::TxUdNoPeer, global_forbids);
-    };
+    }
+    let peer = &peer.entry;
     if peer.pin == peer_pin::UD {
         return Verdict::ud(Reason::TxUdPinnedUd, true);
     }
@@ -277,15 +323,16 @@ fn ingress(ctx: &XdpContext) -> u32 {
             return xdp_action::XDP_PASS;
         }
     };
-    let Some(src) = frame.src else {
+    if !frame.ip {
         count(Reason::RxNonIp, len as u64);
         return xdp_action::XDP_PASS;
-    };
+    }
     let l3_len = (len - frame.l2_len) as u64;
-    // SAFETY: read only, before any insert or remove on this map.
-    let blocked = policy.any_blocked != 0
-        && matches!(unsafe { PEERS.get(src) }, Some(p) if p.pin == peer_pin::BLOCK);
-    if let Some(t) = traffic(&src) {
+    // The one hash lookup, for the block and the traffic slot.
+    let src = frame.src;
+    let peer = Peer::of(&src);
+    let blocked = policy.any_blocked != 0 && peer.found && peer.entry.pin == peer_pin::BLOCK;
+    if let Some(t) = traffic(&src, peer.entry.traffic_slot) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe {
             if blocked {

@@ -37,9 +37,12 @@ pub struct Frame {
     /// Multicast or broadcast, at L2 or at L3.
     pub multicast: bool,
     pub ethertype: u16,
-    /// Destination and source peer, for IP packets.
-    pub dst: Option<PeerKey>,
-    pub src: Option<PeerKey>,
+    /// An IP packet: `dst` and `src` hold its peers (all zeros otherwise). Not
+    /// `Option<PeerKey>`: the payload of a `None` is undefined, and copies of undefined bytes
+    /// may come from a register holding a pointer, a spill the verifier refuses.
+    pub ip: bool,
+    pub dst: PeerKey,
+    pub src: PeerKey,
     /// ICMPv6 Neighbor Discovery (RFC 4755: must go over UD).
     pub neighbor_discovery: bool,
     /// TCP to or from the CM handshake port.
@@ -47,10 +50,10 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// The peer this frame is sent to, when it is unicast IP.
+    /// Sent to one peer (`dst`): unicast IP.
     #[inline(always)]
-    pub fn unicast_dst(&self) -> Option<PeerKey> {
-        if self.multicast { None } else { self.dst }
+    pub fn unicast(&self) -> bool {
+        self.ip && !self.multicast
     }
 
     /// The reason for a frame that is not IP.
@@ -93,8 +96,9 @@ pub fn parse(
         rc_flag: false,
         multicast: false,
         ethertype: 0,
-        dst: None,
-        src: None,
+        ip: false,
+        dst: PeerKey::ZERO,
+        src: PeerKey::ZERO,
         neighbor_discovery: false,
         control: false,
     };
@@ -133,8 +137,9 @@ pub fn parse(
                 return Err(ParseError::Malformed);
             }
             let dst = [ip[16], ip[17], ip[18], ip[19]];
-            f.dst = Some(PeerKey::v4(dst));
-            f.src = Some(PeerKey::v4([ip[12], ip[13], ip[14], ip[15]]));
+            f.ip = true;
+            f.dst = PeerKey::v4(dst);
+            f.src = PeerKey::v4([ip[12], ip[13], ip[14], ip[15]]);
             if dst[0] & 0xf0 == 0xe0 || dst == [0xff; 4] {
                 f.multicast = true;
             }
@@ -156,8 +161,9 @@ pub fn parse(
             src.copy_from_slice(&ip[8..24]);
             dst.copy_from_slice(&ip[24..40]);
             f.multicast |= dst[0] == 0xff;
-            f.dst = Some(PeerKey::v6(dst));
-            f.src = Some(PeerKey::v6(src));
+            f.ip = true;
+            f.dst = PeerKey::v6(dst);
+            f.src = PeerKey::v6(src);
             (ip[6], l2 + 40)
         }
         _ => return Ok(f),

@@ -1090,3 +1090,145 @@ fn random_frames_are_safe() {
         ),
     }
 }
+
+/// Per-peer traffic at a slot named in the peer's entry (one hash lookup per packet), and
+/// counted apart while a peer has no slot: the control plane's `assign_slots` moves a peer
+/// from one to the other with its counts, in both directions of traffic; a slot lost to
+/// another writer comes back; a slot named twice is kept by one entry; idle UD entries are
+/// taken back, others kept; with every slot taken a new peer waits, counted apart.
+#[test]
+fn traffic_moves_from_counted_apart_to_a_slot() {
+    let Some(mut h) = harness("traffic_moves_from_counted_apart_to_a_slot", Link::Ipoib) else {
+        return;
+    };
+    let uc = L2::unicast(Link::Ipoib);
+    let key = |ip: &str| PeerKey::from(ip.parse::<std::net::IpAddr>().unwrap());
+    let apart = |h: &Harness, ip: &str| h.dp.maps.unknown.get(&key(ip), 0).is_ok();
+    let slot = |h: &Harness, ip: &str| h.dp.maps.peer(&key(ip)).unwrap().map(|e| e.traffic_slot);
+    let send = |h: &mut Harness, ip: &str, n: usize| {
+        for _ in 0..n {
+            h.egress(&tcp(uc, ip, SMALL)).unwrap();
+        }
+    };
+    let (now, never) = (monotonic_ns(), u64::MAX);
+
+    // An entry without a slot, and an address with no entry: both counted apart.
+    send(&mut h, "10.0.0.3", 3);
+    send(&mut h, "10.0.0.99", 2);
+    assert!(apart(&h, "10.0.0.3") && apart(&h, "10.0.0.99"));
+    assert_eq!(slot(&h, "10.0.0.3"), Some(0));
+    assert_eq!(slot(&h, "10.0.0.99"), None);
+    assert_eq!(h.traffic("10.0.0.3").tx_ud_packets, 3);
+
+    let r = h.dp.maps.assign_slots(now, never).unwrap();
+    assert_eq!((r.assigned, r.waiting, r.reclaimed), (2, 0, 0), "{r:?}");
+    let s3 = slot(&h, "10.0.0.3").unwrap();
+    let s99 = slot(&h, "10.0.0.99").unwrap();
+    assert!(s3 != 0 && s99 != 0 && s3 != s99, "{s3} {s99}");
+    assert!(!apart(&h, "10.0.0.3") && !apart(&h, "10.0.0.99"));
+    // The new entry is the control plane's default: UD, the policy decides.
+    let e99 = h.dp.maps.peer(&key("10.0.0.99")).unwrap().unwrap();
+    assert_eq!((e99.mode, e99.pin), (peer_mode::UD, peer_pin::AUTO));
+    // Counts carried, then counted at the slot.
+    assert_eq!(h.traffic("10.0.0.3").tx_ud_packets, 3);
+    send(&mut h, "10.0.0.3", 2);
+    assert_eq!(h.traffic("10.0.0.3").tx_ud_packets, 5);
+    assert!(!apart(&h, "10.0.0.3"), "counted apart despite its slot");
+    let before = h.traffic("10.0.0.3");
+    h.ingress(&as_ingress(
+        &FrameSpec::tcp(uc, "10.0.0.3", "10.0.0.1", BIG).build(),
+        Link::Ipoib,
+    ))
+    .unwrap();
+    let after = h.traffic("10.0.0.3");
+    assert_eq!(after.rx_packets - before.rx_packets, 1);
+    assert!(!apart(&h, "10.0.0.3"));
+
+    // Another writer rewrote the entry without its slot: counted apart again, then a slot
+    // (the old one is free again: no entry names it) with only what came since.
+    let e3 = h.dp.maps.peer(&key("10.0.0.3")).unwrap().unwrap();
+    h.dp.maps
+        .set_peer(
+            key("10.0.0.3"),
+            PeerEntry {
+                traffic_slot: 0,
+                ..e3
+            },
+        )
+        .unwrap();
+    send(&mut h, "10.0.0.3", 1);
+    assert!(apart(&h, "10.0.0.3"));
+    h.dp.maps.assign_slots(now, never).unwrap();
+    assert_ne!(slot(&h, "10.0.0.3"), Some(0));
+    assert_eq!(
+        h.traffic("10.0.0.3").tx_ud_packets,
+        1,
+        "stale counts in a reused slot"
+    );
+
+    // One slot named by two entries: one keeps it.
+    let e2 = h.dp.maps.peer(&key("10.0.0.2")).unwrap().unwrap();
+    let shared = slot(&h, "10.0.0.99").unwrap();
+    h.dp.maps
+        .set_peer(
+            key("10.0.0.2"),
+            PeerEntry {
+                traffic_slot: shared,
+                ..e2
+            },
+        )
+        .unwrap();
+    h.dp.maps.assign_slots(now, never).unwrap();
+    let named: Vec<u32> =
+        h.dp.maps
+            .peers()
+            .unwrap()
+            .iter()
+            .map(|(_, e)| e.traffic_slot)
+            .filter(|s| *s == shared)
+            .collect();
+    assert_eq!(named, [shared], "slot {shared} named twice");
+
+    // Idle past the limit: UD unpinned entries go (their slots with them), the rest stay.
+    let r = h.dp.maps.assign_slots(now + 1_000_000_000_000, 1).unwrap();
+    let left: Vec<(String, u8, u8)> =
+        h.dp.maps
+            .peers()
+            .unwrap()
+            .iter()
+            .filter(|(_, e)| e.traffic_slot != 0)
+            .map(|(k, e)| (k.ip().unwrap().to_string(), e.mode, e.pin))
+            .collect();
+    assert!(r.reclaimed >= 2, "{r:?}");
+    assert!(
+        left.iter()
+            .all(|(_, m, p)| *m != peer_mode::UD || *p != peer_pin::AUTO),
+        "{left:?}"
+    );
+    assert_eq!(slot(&h, "10.0.0.3"), None, "an idle UD peer kept its entry");
+    assert!(
+        h.dp.maps.peer(&key("10.0.0.6")).unwrap().is_some(),
+        "a BLOCK pin was taken back"
+    );
+
+    // Every slot taken: a new peer waits, counted apart, and is said to.
+    let full = ipoib_common::MAX_TRAFFIC_PEERS;
+    for i in 1..full {
+        let k = PeerKey::v4([10, 200 + (i >> 16) as u8, (i >> 8) as u8, i as u8]);
+        h.dp.maps
+            .set_peer(
+                k,
+                PeerEntry {
+                    traffic_slot: i,
+                    pin: peer_pin::CM,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+    }
+    send(&mut h, "10.0.0.77", 1);
+    let r = h.dp.maps.assign_slots(now, never).unwrap();
+    assert_eq!((r.assigned, r.waiting), (0, 1), "{r:?}");
+    assert!(apart(&h, "10.0.0.77"));
+    assert_eq!(h.traffic("10.0.0.77").tx_ud_packets, 1);
+}

@@ -218,10 +218,11 @@ fn bpftool_shows_programs_and_field_names() {
         "\"pin\": 1",
         "\"cm_ifindex\"",
         "\"generation\"",
+        "\"traffic_slot\"",
     ] {
         assert!(peers.contains(field), "peers dump lacks {field}:\n{peers}");
     }
-    let traffic = dump("ipoib_traffic");
+    let traffic = dump(ipoib_common::map_names::TRAFFIC);
     for field in ["\"tx_ud_packets\"", "\"rx_bytes\"", "\"last_seen_ns\""] {
         assert!(
             traffic.contains(field),
@@ -428,11 +429,27 @@ fn bad_input_is_refused_and_changes_nothing() {
         .unwrap();
     assert!(out.status.success());
     let dir = format!("/sys/fs/bpf/ipoib/{}", a.iface);
+    // The policy, and every entry but for its traffic slot and those the control loop makes
+    // for peers it sees (UD, unpinned, never connected), which come and go meanwhile.
     let snapshot = || {
-        (
-            dump_pinned(&dir, "ipoib_policy"),
-            dump_pinned(&dir, "ipoib_peers"),
-        )
+        let maps = DatapathMaps::from_pins(std::path::Path::new(&dir)).unwrap();
+        let mut peers: Vec<(PeerKey, PeerEntry)> = maps
+            .peers()
+            .unwrap()
+            .into_iter()
+            .map(|(k, e)| {
+                (
+                    k,
+                    PeerEntry {
+                        traffic_slot: 0,
+                        ..e
+                    },
+                )
+            })
+            .filter(|(_, e)| *e != PeerEntry::default())
+            .collect();
+        peers.sort_by_key(|(k, _)| *k);
+        (dump_pinned(&dir, "ipoib_policy"), peers)
     };
     let before = snapshot();
     let bad: &[&[&str]] = &[

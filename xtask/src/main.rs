@@ -86,7 +86,7 @@ enum Cmd {
     /// verbs tests inside it: the programs must verify and behave the same on the older kernel
     /// (egress attaches through netlink clsact there), and verbs run on soft-RoCE.
     VmTest {
-        /// Only these test targets (fastpath, lab, netlink, verbs, cm, engine, hybrid); all by default.
+        /// Only these test targets (fastpath, lab, netlink, upgrade, verbs, cm, engine, hybrid); all by default.
         targets: Vec<String>,
         /// Only the tests whose names contain this (libtest's filter), in every target run;
         /// repeat for several.

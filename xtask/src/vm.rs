@@ -71,7 +71,7 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
 
 /// Test targets run in the VM.
 pub const TARGETS: &[&str] = &[
-    "fastpath", "lab", "netlink", "verbs", "cm", "engine", "hybrid",
+    "fastpath", "lab", "netlink", "upgrade", "verbs", "cm", "engine", "hybrid",
 ];
 
 pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -> Result<()> {
