@@ -28,6 +28,9 @@ struct Args {
 
 struct Scenario {
     name: &'static str,
+    /// Held to the target: the steady state. A peer not yet given its slot (for up to a
+    /// second) is shown, not held.
+    steady: bool,
     /// What egress decides for it (checked once before timing).
     expect_egress: u32,
     egress_frame: Vec<u8>,
@@ -80,23 +83,47 @@ fn main() -> Result<()> {
     let scenarios = [
         Scenario {
             name: "small UD (100 B TCP to a CM_UP peer)",
+            steady: true,
             expect_egress: TC_ACT_OK,
             ingress_frame: as_ingress(&small, Link::Ipoib),
             egress_frame: small,
         },
         Scenario {
             name: "CM-eligible (3000 B TCP to a CM_UP peer)",
+            steady: true,
             expect_egress: TC_ACT_REDIRECT,
             ingress_frame: as_ingress(&big, Link::Ipoib),
             egress_frame: big,
         },
         Scenario {
             name: "multicast (200 B UDP to a multicast GID)",
+            steady: true,
             expect_egress: TC_ACT_OK,
             ingress_frame: as_ingress(&mcast, Link::Ipoib),
             egress_frame: mcast,
         },
     ];
+    // Every peer above seen once, then given its traffic slot, as the control loop does
+    // within a second: the steady state, one hash lookup per packet.
+    for s in &scenarios {
+        h.egress(&s.egress_frame)?;
+        h.ingress(&s.ingress_frame)?;
+    }
+    let slots =
+        h.dp.maps
+            .assign_slots(ipoib_ctl::clock::monotonic_ns(), u64::MAX)?;
+    eprintln!("traffic slots: {slots:?}");
+    // A peer the control loop has not seen yet: no entry, counted apart (two lookups).
+    let new = FrameSpec::tcp(uc, "10.0.0.1", "10.0.0.50", 100).build();
+    let from_new = FrameSpec::tcp(uc, "10.0.0.50", "10.0.0.1", 100).build();
+    let mut scenarios = Vec::from(scenarios);
+    scenarios.push(Scenario {
+        name: "new peer (100 B TCP, no entry yet)",
+        steady: false,
+        expect_egress: TC_ACT_OK,
+        ingress_frame: as_ingress(&from_new, Link::Ipoib),
+        egress_frame: new,
+    });
     for s in &scenarios {
         let out = h.egress(&s.egress_frame)?;
         anyhow::ensure!(
@@ -140,7 +167,7 @@ fn main() -> Result<()> {
     for (si, s) in scenarios.iter().enumerate() {
         let m: Vec<f64> = samples[si].iter().map(|v| median(v)).collect();
         let (re, ri) = (m[0] / m[1].max(1.0), m[2] / m[3].max(1.0));
-        all_within &= re <= TARGET && ri <= TARGET;
+        all_within &= !s.steady || (re <= TARGET && ri <= TARGET);
         println!(
             "{:<44} {:>9.1} {:>9.1} {:>5.2}x   {:>9.1} {:>9.1} {:>5.2}x",
             s.name, m[0], m[1], re, m[2], m[3], ri
