@@ -1,10 +1,11 @@
 //! Attaching the fast path to an interface, adopting an attachment, and detaching it.
 //!
 //! Everything that must outlive the control plane is pinned under
-//! `/sys/fs/bpf/ipoib/IFACE/` (mode 0700): the five maps, both programs and both links. A
+//! `/sys/fs/bpf/ipoib/IFACE/` (mode 0700): the maps, both programs and both links. A
 //! control plane that exits leaves the datapath running (the heartbeat goes stale and the
 //! fail-safe sends every packet UD); one that starts again adopts the pins, so counters go on
-//! and traffic never sees a gap.
+//! and traffic never sees a gap. Pins of an earlier map layout are replaced in place
+//! ([`crate::upgrade`]).
 //!
 //! What bpffs cannot hold (how egress was attached, the control plane's own settings, the
 //! control loop's pid) lives in `/run/ipoib-ctl/IFACE.json`.
