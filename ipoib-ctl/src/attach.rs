@@ -63,6 +63,12 @@ pub enum AttachError {
         pinned: u32,
         now: u32,
     },
+    #[error(
+        "{iface} is attached with map layout {layout}, not this version's {}: `ipoib-ctl \
+         attach {iface}` replaces an earlier layout in place, under traffic",
+        ipoib_common::LAYOUT
+    )]
+    OtherLayout { iface: String, layout: u32 },
     #[error("attaching {what} to {iface}: {source}")]
     Program {
         what: &'static str,
@@ -263,6 +269,13 @@ pub fn open(iface: &str) -> Result<DatapathMaps> {
         return Err(AttachError::NotAttached {
             iface: iface.to_string(),
             dir,
+        });
+    }
+    let layout = crate::upgrade::pinned_layout(&dir);
+    if layout != ipoib_common::LAYOUT {
+        return Err(AttachError::OtherLayout {
+            iface: iface.to_string(),
+            layout,
         });
     }
     Ok(DatapathMaps::from_pins(&dir)?)

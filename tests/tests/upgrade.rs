@@ -290,6 +290,14 @@ fn an_attachment_of_layout_1_is_replaced_under_traffic_without_a_gap() {
         })
     };
     std::thread::sleep(Duration::from_millis(700));
+    // This version's status reads no other layout, and says what to do.
+    let out = a.ctl(&["status", &a.iface]).unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        said.contains("map layout 1") && said.contains("ipoib-ctl attach"),
+        "{said}"
+    );
     let before_upgrade = sent.load(Ordering::Relaxed);
     let t = Instant::now();
     lab.attach(Which::A, &[]).unwrap();
