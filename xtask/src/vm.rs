@@ -66,6 +66,9 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
             bail!("test target {t} was not built");
         }
     }
+    // In the order asked for (cargo reports them as they finish building): a run that
+    // fails because of what an earlier binary left behind is then repeatable.
+    bins.sort_by_key(|(n, _)| targets.iter().position(|t| t == n));
     Ok(bins)
 }
 
