@@ -497,3 +497,16 @@ pub fn ping_summary(out: &str) -> Option<(u32, u32)> {
         .filter_map(|part| part.split_whitespace().next()?.parse::<u32>().ok());
     Some((nums.next()?, nums.next()?))
 }
+
+/// A lab of two nodes (`tag`), or `None` after a loud skip where this machine cannot build
+/// one (not root, no veth); with `IPOIB_REQUIRE_BPF=1` (CI) that is a failure instead.
+pub fn lab_or_skip(test: &str, tag: &str, cm_path: bool) -> Option<Lab> {
+    if let Some(why) = lab_unavailable() {
+        if std::env::var("IPOIB_REQUIRE_BPF").is_ok_and(|v| v == "1") {
+            panic!("{test}: {why}");
+        }
+        crate::loud_skip(test, &why);
+        return None;
+    }
+    Some(Lab::new(tag, cm_path).unwrap_or_else(|e| panic!("{test}: building the lab: {e:#}")))
+}

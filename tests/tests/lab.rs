@@ -10,17 +10,6 @@ use ipoib_common::{PeerEntry, PeerKey, peer_mode};
 use ipoib_ctl::{connmgr::listen, maps::DatapathMaps};
 use ipoib_tests::lab::{json_u64 as u, *};
 
-fn lab_or_skip(test: &str, tag: &str, cm_path: bool) -> Option<Lab> {
-    if let Some(why) = lab_unavailable() {
-        if std::env::var("IPOIB_REQUIRE_BPF").is_ok_and(|v| v == "1") {
-            panic!("{test}: {why}");
-        }
-        ipoib_tests::loud_skip(test, &why);
-        return None;
-    }
-    Some(Lab::new(tag, cm_path).unwrap_or_else(|e| panic!("{test}: building the lab: {e:#}")))
-}
-
 fn ping(from: &Node, to: &str, count: u32, size: u32, interval: &str) -> (u32, u32) {
     let out = from
         .cmd("ping")

@@ -140,16 +140,11 @@ fn the_man_pages_render_without_warnings() {
 /// gets the lines, with no colour codes when it is not a terminal.
 #[test]
 fn logs_reach_journald_with_priorities_and_stderr_without_colour() {
-    use ipoib_tests::lab::{Lab, lab_unavailable};
+    use ipoib_tests::lab::lab_or_skip;
     let test = "logs_reach_journald_with_priorities_and_stderr_without_colour";
-    if let Some(why) = lab_unavailable() {
-        assert!(
-            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
-            "{test}: {why}"
-        );
-        ipoib_tests::loud_skip(test, &why);
+    let Some(lab) = lab_or_skip(test, "jrn", false) else {
         return;
-    }
+    };
     ipoib_tests::programs::require("journalctl").unwrap();
     let journald = Path::new("/lib/systemd/systemd-journald");
     assert!(
@@ -157,7 +152,6 @@ fn logs_reach_journald_with_priorities_and_stderr_without_colour() {
         "no {} (Debian's systemd)",
         journald.display()
     );
-    let lab = Lab::new("jrn", false).unwrap();
     let a = lab.a.clone();
     let dir = scratch("journal");
     let ctl = ctl_path();
@@ -250,18 +244,12 @@ fn node_exporter_serves_the_metrics_and_they_match_status() {
         time::{Duration, Instant},
     };
 
-    use ipoib_tests::lab::{Lab, Which, lab_unavailable};
+    use ipoib_tests::lab::{Which, lab_or_skip};
     let test = "node_exporter_serves_the_metrics_and_they_match_status";
-    if let Some(why) = lab_unavailable() {
-        assert!(
-            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
-            "{test}: {why}"
-        );
-        ipoib_tests::loud_skip(test, &why);
+    let Some(mut lab) = lab_or_skip(test, "met", false) else {
         return;
-    }
+    };
     let dir = scratch("metrics");
-    let mut lab = Lab::new("met", false).unwrap();
     lab.attach(
         Which::A,
         &[
@@ -544,18 +532,12 @@ fn unit_for_test(ns: &str) -> String {
 fn the_unit_under_a_real_systemd_restarts_and_fires_its_watchdog() {
     use std::time::{Duration, Instant};
 
-    use ipoib_tests::lab::{Lab, lab_unavailable};
+    use ipoib_tests::lab::lab_or_skip;
     let test = "the_unit_under_a_real_systemd_restarts_and_fires_its_watchdog";
-    if let Some(why) = lab_unavailable() {
-        assert!(
-            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
-            "{test}: {why}"
-        );
-        ipoib_tests::loud_skip(test, &why);
+    let Some(lab) = lab_or_skip(test, "sdu", false) else {
         return;
-    }
+    };
     ipoib_tests::programs::require("systemctl").unwrap();
-    let lab = Lab::new("sdu", false).unwrap();
     let a = lab.a.clone();
     let dir = scratch("systemd");
     let units = dir.join("config/systemd/user");

@@ -25,7 +25,7 @@ use ipoib_common::{ARPHRD_ETHER, LAYOUT, PeerEntry, PeerKey, Policy, map_names, 
 use ipoib_ctl::attach::{AttachState, EgressAttach, pin_dir, state_path};
 use ipoib_tests::{
     cmlab::in_netns,
-    lab::{Lab, Node, Which, lab_unavailable},
+    lab::{Node, Which, lab_or_skip},
 };
 
 const LAYOUT_1: &[u8] = include_bytes!("../fixtures/ipoib-ebpf-layout1.o");
@@ -226,15 +226,9 @@ fn map_id(dir: &Path, name: &str) -> u64 {
 #[test]
 fn an_attachment_of_layout_1_is_replaced_under_traffic_without_a_gap() {
     let test = "an_attachment_of_layout_1_is_replaced_under_traffic_without_a_gap";
-    if let Some(why) = lab_unavailable() {
-        assert!(
-            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
-            "{test}: {why}"
-        );
-        ipoib_tests::loud_skip(test, &why);
+    let Some(mut lab) = lab_or_skip(test, "upg", false) else {
         return;
-    }
-    let mut lab = Lab::new("upg", false).unwrap();
+    };
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let egress = attach_layout_1(&a, b.ip4.into());
     write_layout_1_state(&a, egress);
