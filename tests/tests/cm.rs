@@ -20,7 +20,7 @@ use ipoib_ctl::{
         Cm, Connection, RejectReason, SetupConfig, SetupError,
         wire::{Hello, MSG_LEN, Msg},
     },
-    verbs::{AsyncEvent, RcEndpoint, RcTiming, ReceiveModel, rnr_timer_us},
+    verbs::{AsyncEvent, RcEndpoint, RcTiming, ReceiveModel, SendRequest, rnr_timer_us},
 };
 use ipoib_tests::cmlab::{
     COUNTED, Netns, Peer, Pump, Received, Verbs, device, pattern, rdma_resources, registered_mrs,
@@ -819,4 +819,81 @@ fn a_dry_ring_slows_its_sender_and_the_connection_lives() {
         assert_eq!(r.delivered, 24, "{pause} ms: {r:?}");
     }
     settle(&dev, &baseline, COUNTED);
+}
+
+/// Sends posted as one chain arrive in order and intact; a chain longer than the QP's send
+/// queue is taken up to what fits, and the count `post_sends` returns is exactly what the peer
+/// receives (the provider's "first request not taken", turned into a count).
+#[test]
+fn a_chain_of_sends_is_posted_in_order_and_cut_where_the_queue_is_full() {
+    let Some(dev) = device("a_chain_of_sends_is_posted_in_order_and_cut_where_the_queue_is_full")
+    else {
+        return;
+    };
+    let small = SetupConfig {
+        max_send_wr: 8,
+        ..SetupConfig::default()
+    };
+    let (a, cma, b, cmb) = two_nodes(&dev, small, SetupConfig::default());
+    let rt = rt();
+    let (conn, _peer_conn) = rt.block_on(async {
+        let (addr_b, mut in_b) = listen(&cmb).await;
+        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
+        let p = in_b.recv().await.unwrap().1.unwrap();
+        (c, p)
+    });
+    let fill = |slots: std::ops::Range<u32>, first: u32| -> Vec<SendRequest> {
+        slots
+            .enumerate()
+            .map(|(k, slot)| {
+                let data = pattern(first + k as u32, 100 + slot as usize);
+                // SAFETY: nothing posted uses the slot yet.
+                unsafe { a.send.slot(slot)[..data.len()].copy_from_slice(&data) };
+                SendRequest {
+                    slot,
+                    len: data.len() as u32,
+                    wr_id: u64::from(slot),
+                }
+            })
+            .collect()
+    };
+    let mut pa = Pump::new(a.clone());
+    let mut pb = Pump::new(b.clone());
+    let mut got = Vec::new();
+
+    // A chain that fits: every send taken.
+    let chain = fill(0..4, 0);
+    let (posted, r) = conn.qp.post_sends(&a.send, &chain);
+    assert_eq!((posted, r.is_ok()), (4, true));
+    pb.collect(&mut got, 4, Duration::from_secs(10)).unwrap();
+    let mut none = Vec::new();
+    let mut completed = |pa: &mut Pump, n: u64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pa.sent < n && Instant::now() < deadline {
+            pa.progress(&mut none, Duration::from_millis(100)).unwrap();
+        }
+        assert_eq!(pa.sent, n, "sends completed: {:?}", pa.send_errors);
+    };
+    completed(&mut pa, 4);
+
+    // 64 sends on a queue of 8 (an HCA may round it up, never to 64): cut where it is full.
+    let chain = fill(0..64, 4);
+    let (posted, r) = conn.qp.post_sends(&a.send, &chain);
+    eprintln!("a chain of 64 on a send queue of 8: {posted} taken ({r:?})");
+    assert!(r.is_err(), "a queue of 8 took all 64");
+    assert!((8..64).contains(&posted), "{posted} taken");
+    pb.collect(&mut got, 4 + posted, Duration::from_secs(10))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    pb.progress(&mut got, Duration::ZERO).unwrap();
+    assert_eq!(got.len(), 4 + posted, "the peer got more than was taken");
+    for (i, m) in got.iter().enumerate() {
+        let slot = if i < 4 { i } else { i - 4 };
+        assert!(
+            m.data == pattern(i as u32, 100 + slot),
+            "message {i} in order and intact"
+        );
+    }
+    completed(&mut pa, 4 + posted as u64);
+    assert!(pa.send_errors.is_empty(), "{:?}", pa.send_errors);
 }

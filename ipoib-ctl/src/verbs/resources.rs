@@ -514,6 +514,9 @@ impl MemoryRegion {
     }
 }
 
+/// Completions one [`CompletionQueue::poll`] takes at most (on the stack).
+pub const POLL_MAX: usize = 64;
+
 /// Posts receives of `region`'s `slots` (`len` bytes each, work request ids of `ring`) in
 /// chains of `chain`, each through `post` (the SRQ's or the QP's post call: it gets the
 /// chain's first request and returns its rc); `posted` counts what went.
@@ -764,16 +767,18 @@ impl CompletionQueue {
         }))
     }
 
-    /// Takes up to `out.capacity()` completions into `out` (cleared first); returns how many.
+    /// Takes up to `max` completions (64 at most per call) into `out` (cleared first);
+    /// returns how many.
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
         out.clear();
         // SAFETY: ibv_wc is plain integers; zero is a valid value.
-        let mut wcs: Vec<ffi::ibv_wc> = vec![unsafe { std::mem::zeroed() }; max.max(1)];
+        let mut wcs: [ffi::ibv_wc; POLL_MAX] = unsafe { std::mem::zeroed() };
+        let max = max.clamp(1, POLL_MAX);
         // SAFETY: valid CQ; wcs has room for max entries.
         let n = unsafe {
             let ctx = (*self.cq).context;
             match (*ctx).ops.poll_cq {
-                Some(f) => f(self.cq, wcs.len() as i32, wcs.as_mut_ptr()),
+                Some(f) => f(self.cq, max as i32, wcs.as_mut_ptr()),
                 None => -libc::EOPNOTSUPP,
             }
         };
@@ -1176,33 +1181,84 @@ impl RcQueuePair {
         len: u32,
         wr_id: u64,
     ) -> Result<(), VerbsError> {
-        if slot >= region.count || len as u64 > region.stride {
-            return Err(self.ctx().err(
+        let (_, r) = self.post_sends(region, &[SendRequest { slot, len, wr_id }]);
+        r
+    }
+
+    /// Posts `sends` as one chain of signaled SENDs, in order, in one call (one doorbell on
+    /// the HCA, one system call on soft-RoCE). Returns how many were posted, from the first:
+    /// on an error the rest were not (their slots are the caller's again). Each slot must stay
+    /// untouched until its send completes.
+    pub fn post_sends(
+        &self,
+        region: &MemoryRegion,
+        sends: &[SendRequest],
+    ) -> (usize, Result<(), VerbsError>) {
+        if sends.is_empty() {
+            return (0, Ok(()));
+        }
+        if let Some(bad) = sends
+            .iter()
+            .position(|s| s.slot >= region.count || u64::from(s.len) > region.stride)
+        {
+            let e = self.ctx().err(
                 "post_send: slot or length out of the region",
                 io::Error::from(io::ErrorKind::InvalidInput),
-            ));
+            );
+            let (posted, r) = self.post_sends(region, &sends[..bad]);
+            return (posted, r.and(Err(e)));
         }
-        let mut sge = region.sge(slot, len);
-        let mut wr = ffi::ibv_send_wr {
-            wr_id,
-            next: ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: 1,
-            opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-            ..Default::default()
-        };
-        let mut bad = ptr::null_mut();
-        // SAFETY: valid QP; wr and sge outlive the call; the region is registered on this PD.
+        let mut sges: Vec<ffi::ibv_sge> = sends.iter().map(|s| region.sge(s.slot, s.len)).collect();
+        let mut wrs: Vec<ffi::ibv_send_wr> = sends
+            .iter()
+            .map(|s| ffi::ibv_send_wr {
+                wr_id: s.wr_id,
+                next: ptr::null_mut(),
+                sg_list: ptr::null_mut(),
+                num_sge: 1,
+                opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
+                send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+                ..Default::default()
+            })
+            .collect();
+        // Linked only now: neither vector moves again.
+        for k in 0..wrs.len() {
+            wrs[k].sg_list = &mut sges[k];
+            if k + 1 < wrs.len() {
+                wrs[k].next = &mut wrs[k + 1] as *mut _;
+            }
+        }
+        let base = wrs.as_mut_ptr();
+        let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
+        // SAFETY: valid QP; the chain and its SGEs outlive the call; the region is registered
+        // on this PD.
         let rc = unsafe {
             let ctx = (*self.qp).context;
             match (*ctx).ops.post_send {
-                Some(f) => f(self.qp, &mut wr, &mut bad),
+                Some(f) => f(self.qp, base, &mut bad),
                 None => libc::EOPNOTSUPP,
             }
         };
-        self.ctx().check("post_send", rc)
+        if rc == 0 {
+            return (sends.len(), Ok(()));
+        }
+        // The provider names the first request it did not take; without one, none went.
+        let posted = if bad.is_null() {
+            0
+        } else {
+            // SAFETY: `bad` points into the chain, at or after its base.
+            (unsafe { bad.offset_from(base) } as usize).min(sends.len())
+        };
+        (posted, self.ctx().check("post_send", rc))
     }
+}
+
+/// One SEND of [`RcQueuePair::post_sends`]: the first `len` bytes of a registered slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendRequest {
+    pub slot: u32,
+    pub len: u32,
+    pub wr_id: u64,
 }
 
 #[cfg(test)]
