@@ -52,7 +52,7 @@ use tokio::{
 
 use crate::{
     tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN},
-    verbs::{Completion, RcQueuePair, Resources, VerbsError},
+    verbs::{Completion, RcQueuePair, Resources, SendRequest, VerbsError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -314,6 +314,7 @@ pub enum EngineEvent {
 /// Per-connection send state, by QP number.
 struct Flow {
     dst: IpAddr,
+    qp: Arc<RcQueuePair>,
     in_flight: u32,
     /// Filled send slots waiting to be posted, and their lengths.
     waiting: VecDeque<(u32, u32)>,
@@ -322,9 +323,10 @@ struct Flow {
 }
 
 impl Flow {
-    fn new(dst: IpAddr) -> Self {
+    fn new(dst: IpAddr, qp: Arc<RcQueuePair>) -> Self {
         Self {
             dst,
+            qp,
             in_flight: 0,
             waiting: VecDeque::new(),
             congested: false,
@@ -389,7 +391,21 @@ struct Core {
     keepalives_by_qp: Totals,
     /// QPs something was sent on since the last housekeeping (the others get a keepalive).
     sent_on: HashSet<u32>,
+    /// Sends decided in this turn (QP number, request), posted together at its end: one
+    /// chain per QP (see [`Core::flush`]).
+    outbox: Vec<(u32, SendRequest)>,
+    /// The completions of one poll, kept to reuse its memory.
+    wcs: Vec<Completion>,
     events: Option<mpsc::UnboundedSender<EngineEvent>>,
+}
+
+/// A send of the first `len` bytes of send slot `slot`, named by its slot.
+fn request(slot: u32, len: u32) -> SendRequest {
+    SendRequest {
+        slot,
+        len,
+        wr_id: u64::from(slot),
+    }
 }
 
 /// The destination address of an IP packet.
@@ -410,6 +426,14 @@ fn destination(pkt: &[u8]) -> Option<IpAddr> {
 /// How often flows of gone connections are forgotten, receive totals reported and the
 /// engine's proof of life renewed.
 pub const HOUSEKEEPING: Duration = Duration::from_millis(500);
+
+/// Packets read from the TUN device per turn of the loop, at most.
+const READ_BATCH: usize = 64;
+
+/// Completions taken per poll, and polls per turn of the loop: a receiver that never finds
+/// its CQ empty still lets the loop read, take commands and keep its connections alive.
+const POLL_BATCH: usize = 64;
+const POLLS_PER_TURN: usize = 4;
 
 /// A keepalive's length on the wire: the TUN's virtio-net header and nothing after it.
 pub const KEEPALIVE_LEN: usize = VNET_HDR_LEN;
@@ -448,6 +472,8 @@ impl Engine {
                 rx_by_qp: Totals::default(),
                 keepalives_by_qp: Totals::default(),
                 sent_on: HashSet::new(),
+                outbox: Vec::with_capacity(2 * READ_BATCH),
+                wcs: Vec::with_capacity(POLL_BATCH),
                 events: None,
             },
             commands,
@@ -505,7 +531,8 @@ impl Engine {
         }
         .map_err(|e| tun_err(e.into_parts().1))?;
         self.core.res.recv_cq.arm()?;
-        self.core.completions(&self.tun)?;
+        // Completions left for the next turn (the last turn took its share and stopped).
+        let mut more = self.core.completions(&self.tun)?;
         tokio::pin!(stop);
         let mut housekeeping = tokio::time::interval(HOUSEKEEPING);
         housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -526,7 +553,12 @@ impl Engine {
                     while cq.wait(Duration::ZERO)? {}
                     g.clear_ready();
                     cq.arm()?;
-                    self.core.completions(&self.tun)?;
+                    more = self.core.completions(&self.tun)?;
+                }
+                // What the CQ still held after the last turn's share: taken now, after the
+                // other branches had their chance (select picks among the ready at random).
+                () = std::future::ready(()), if more => {
+                    more = self.core.completions(&self.tun)?;
                 }
                 g = tun.readable(), if can_send => {
                     let mut g = g.map_err(&tun_err)?;
@@ -538,11 +570,17 @@ impl Engine {
         }
     }
 
-    /// Up to 64 packets from the TUN device, each read into a free send slot and sent from
-    /// there to its connection; true when the device has no more (its readiness is then
-    /// cleared).
+    /// Up to [`READ_BATCH`] packets from the TUN device, each read into a free send slot and
+    /// sent from there to its connection (posted together at the end: one chain per QP);
+    /// true when the device has no more (its readiness is then cleared).
     fn read_batch(&mut self) -> io::Result<bool> {
-        for _ in 0..64 {
+        let r = self.read_some();
+        self.core.flush();
+        r
+    }
+
+    fn read_some(&mut self) -> io::Result<bool> {
+        for _ in 0..READ_BATCH {
             let Some(slot) = self.core.free.pop() else {
                 return Ok(false);
             };
@@ -646,7 +684,11 @@ impl Core {
             .filter(|(_, qpn)| !sent.contains(qpn))
             .collect();
         for (ip, qpn) in idle {
-            let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(ip));
+            let qp = &self.routes[&ip].qp;
+            let flow = self
+                .flows
+                .entry(qpn)
+                .or_insert_with(|| Flow::new(ip, qp.clone()));
             if flow.dead || flow.in_flight >= self.cfg.max_send_wr {
                 continue;
             }
@@ -656,8 +698,7 @@ impl Core {
             let send = &self.res.send;
             // SAFETY: the slot was free: nothing posted uses it until its send completes.
             unsafe { send.slot(slot)[..KEEPALIVE_LEN].fill(0) };
-            let route = &self.routes[&ip];
-            match route
+            match flow
                 .qp
                 .post_send(send, slot, KEEPALIVE_LEN as u32, u64::from(slot))
             {
@@ -705,7 +746,10 @@ impl Core {
             return Err(|s| &s.tx_oversize);
         }
         let qpn = route.qp.qpn();
-        let flow = self.flows.entry(qpn).or_insert_with(|| Flow::new(dst));
+        let flow = self
+            .flows
+            .entry(qpn)
+            .or_insert_with(|| Flow::new(dst, route.qp.clone()));
         let full = flow.in_flight >= self.cfg.max_send_wr;
         // Past the bound the next packets go UD until the queue drains; this one, already
         // read, still waits its turn while slots are left for the other connections.
@@ -730,31 +774,94 @@ impl Core {
             return Ok(());
         }
         flow.in_flight += 1;
-        if let Err(e) = route.qp.post_send(send, slot, len as u32, u64::from(slot)) {
-            flow.in_flight -= 1;
-            tracing::debug!("post_send to {dst}: {e}");
-            return Err(|s| &s.send_errors);
-        }
-        self.sent_on.insert(qpn);
-        self.stats.sent(len);
+        self.outbox.push((qpn, request(slot, len as u32)));
         Ok(())
     }
 
-    /// Takes every completion: receives and sends apart.
-    fn completions(&mut self, tun: &Tun) -> Result<(), EngineError> {
-        let mut wcs = Vec::with_capacity(64);
-        loop {
-            if self.res.recv_cq.poll(&mut wcs, 64)? == 0 {
-                return Ok(());
+    /// Posts the turn's sends: one chain per QP, in the order they were decided. A send its
+    /// QP did not take gives its slot back, counted as a send error; one it took counts as
+    /// sent.
+    fn flush(&mut self) {
+        if self.outbox.is_empty() {
+            return;
+        }
+        // Stable: each QP's sends keep their order.
+        self.outbox.sort_by_key(|(qpn, _)| *qpn);
+        let mut chain: Vec<SendRequest> = Vec::with_capacity(self.outbox.len());
+        let mut rest = &self.outbox[..];
+        while let Some(&(qpn, _)) = rest.first() {
+            let n = rest.iter().take_while(|(q, _)| *q == qpn).count();
+            chain.clear();
+            chain.extend(rest[..n].iter().map(|(_, r)| *r));
+            rest = &rest[n..];
+            // Every send in the outbox was counted in flight on its flow, so the flow is
+            // still there; a send error taken in the same turn killed it: those wait no more.
+            let Some(flow) = self.flows.get_mut(&qpn).filter(|f| !f.dead) else {
+                for r in &chain {
+                    self.free.push(r.slot);
+                    Self::count(&self.stats.tx_backpressure);
+                }
+                if let Some(f) = self.flows.get_mut(&qpn) {
+                    f.in_flight = f.in_flight.saturating_sub(chain.len() as u32);
+                    if f.in_flight == 0 {
+                        self.flows.remove(&qpn);
+                    }
+                }
+                continue;
+            };
+            let (posted, result) = flow.qp.post_sends(&self.res.send, &chain);
+            for r in &chain[..posted] {
+                self.stats.sent(r.len as usize);
             }
+            if posted > 0 {
+                self.sent_on.insert(qpn);
+            }
+            if let Err(e) = result {
+                tracing::debug!("post_send to {}: {e}", flow.dst);
+                for r in &chain[posted..] {
+                    flow.in_flight -= 1;
+                    self.free.push(r.slot);
+                    Self::count(&self.stats.send_errors);
+                }
+            }
+        }
+        self.outbox.clear();
+    }
+
+    /// Takes completions, receives and sends apart, [`POLLS_PER_TURN`] polls at most, then
+    /// posts the sends they freed room for; true when the CQ may hold more.
+    fn completions(&mut self, tun: &Tun) -> Result<bool, EngineError> {
+        let mut wcs = std::mem::take(&mut self.wcs);
+        let mut result = Ok(true);
+        for _ in 0..POLLS_PER_TURN {
+            let n = match self.res.recv_cq.poll(&mut wcs, POLL_BATCH) {
+                Ok(n) => n,
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            };
             for wc in &wcs {
                 if wc.recv {
-                    self.on_receive(tun, wc)?;
+                    if let Err(e) = self.on_receive(tun, wc) {
+                        result = Err(e);
+                        break;
+                    }
                 } else {
                     self.on_send_done(wc);
                 }
             }
+            if result.is_err() {
+                break;
+            }
+            if n < POLL_BATCH {
+                result = Ok(false);
+                break;
+            }
         }
+        self.wcs = wcs;
+        self.flush();
+        result
     }
 
     /// A receive completed: its message into the TUN device, and its buffer posted again on
@@ -822,20 +929,17 @@ impl Core {
             return;
         }
         if let Some((s, len)) = flow.waiting.pop_front() {
-            // The flow's own destination, still routed to this QP.
-            let route = self
+            // Posted at the end of the turn while its destination is still routed to this QP.
+            let routed = self
                 .routes
                 .get(&flow.dst)
-                .filter(|r| r.qp.qpn() == wc.qp_num);
-            match route.map(|r| r.qp.post_send(&self.res.send, s, len, u64::from(s))) {
-                Some(Ok(())) => {
-                    flow.in_flight += 1;
-                    self.stats.sent(len as usize);
-                }
-                _ => {
-                    self.free.push(s);
-                    Self::count(&self.stats.tx_no_connection);
-                }
+                .is_some_and(|r| r.qp.qpn() == wc.qp_num);
+            if routed {
+                flow.in_flight += 1;
+                self.outbox.push((wc.qp_num, request(s, len)));
+            } else {
+                self.free.push(s);
+                Self::count(&self.stats.tx_no_connection);
             }
         }
         if flow.congested && flow.waiting.is_empty() {
