@@ -783,6 +783,8 @@ impl Manager {
         if self.opts.test_faults {
             self.take_test_fault();
         }
+        // One pass over the peers map for the pins and the traffic slots.
+        let peers = self.maps.peers().unwrap_or_default();
         let input = TickInput {
             mode: self.maps.policy().ok().and_then(|p| Mode::from_raw(p.mode)),
             max_connections: cap(
@@ -790,8 +792,8 @@ impl Manager {
                 self.plan_max,
                 self.res.recv.rings().map(|p| p.ring_bytes()),
             ),
-            pins: self.pins(),
-            traffic: self.traffic(),
+            pins: pins(&peers),
+            traffic: self.traffic(&peers),
             srq_posted: self.res.recv.srq().map_or(0, |s| s.posted()),
         };
         self.core.handle_tick(monotonic_ns(), input);
@@ -813,16 +815,8 @@ impl Manager {
         }
     }
 
-    fn pins(&self) -> Vec<(IpAddr, PeerPin)> {
-        let peers = self.maps.peers().unwrap_or_default();
-        peers
-            .into_iter()
-            .filter_map(|(k, e)| Some((k.ip()?, PeerPin::try_from(e.pin).unwrap_or_default())))
-            .collect()
-    }
-
-    fn traffic(&self) -> Vec<(IpAddr, Traffic)> {
-        let traffic = self.maps.traffic().unwrap_or_default();
+    fn traffic(&self, peers: &[(PeerKey, PeerEntry)]) -> Vec<(IpAddr, Traffic)> {
+        let traffic = self.maps.traffic_of_peers(peers).unwrap_or_default();
         traffic
             .into_iter()
             .filter_map(|(k, t)| {
@@ -1211,6 +1205,14 @@ fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<Engi
 
 /// The plan's cap as the policy lowers it now ([`live_cap`]; the state file is read on
 /// every tick, so a `set-policy` takes effect live).
+/// The operator's pins, by address, from the peers map as read.
+fn pins(peers: &[(PeerKey, PeerEntry)]) -> Vec<(IpAddr, PeerPin)> {
+    peers
+        .iter()
+        .filter_map(|(k, e)| Some((k.ip()?, PeerPin::try_from(e.pin).unwrap_or_default())))
+        .collect()
+}
+
 fn cap(iface: &str, plan_max: usize, ring_bytes: Option<u64>) -> usize {
     let state = crate::attach::read_state(iface);
     live_cap(

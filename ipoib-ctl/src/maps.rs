@@ -203,12 +203,21 @@ impl DatapathMaps {
 
     /// Every peer's traffic, summed over CPUs: those with a slot, then those counted apart.
     pub fn traffic(&self) -> Result<Vec<(PeerKey, PeerTraffic)>> {
+        self.traffic_of_peers(&self.peers()?)
+    }
+
+    /// As [`DatapathMaps::traffic`], with the peers map as the caller already read it (one
+    /// pass over it serves a caller that needs the entries too).
+    pub fn traffic_of_peers(
+        &self,
+        peers: &[(PeerKey, PeerEntry)],
+    ) -> Result<Vec<(PeerKey, PeerTraffic)>> {
         let mut all = Vec::new();
         let mut slotted = std::collections::HashSet::new();
-        for (k, e) in self.peers()? {
+        for (k, e) in peers {
             if e.traffic_slot != 0 {
-                all.push((k, self.slot_traffic(e.traffic_slot)?));
-                slotted.insert(k);
+                all.push((*k, self.slot_traffic(e.traffic_slot)?));
+                slotted.insert(*k);
             }
         }
         for r in self.unknown.iter() {
