@@ -99,6 +99,32 @@ impl Tun {
     /// thread's network namespace, with vnet headers and the checksum and TSO offloads on.
     /// The device is left down; the fd is non-blocking when `nonblocking`.
     pub fn create(name: &str, nonblocking: bool) -> Result<Self, TunError> {
+        Self::open_queue(name, nonblocking, 0)
+    }
+
+    /// Creates TUN device `name` with `queues` queues (IFF_MULTI_QUEUE), one fd each, as
+    /// [`Tun::create`] makes one: the kernel spreads the packets it transmits over the queues
+    /// by flow, and a packet written into any queue is received by the stack alike. One
+    /// queue is a plain device, as `create` makes.
+    pub fn create_queues(
+        name: &str,
+        queues: usize,
+        nonblocking: bool,
+    ) -> Result<Vec<Self>, TunError> {
+        if queues <= 1 {
+            return Ok(vec![Self::create(name, nonblocking)?]);
+        }
+        let first = Self::open_queue(name, nonblocking, libc::IFF_MULTI_QUEUE)?;
+        let name = first.name.clone();
+        let mut all = vec![first];
+        for _ in 1..queues {
+            all.push(Self::open_queue(&name, nonblocking, libc::IFF_MULTI_QUEUE)?);
+        }
+        Ok(all)
+    }
+
+    /// Opens one queue of device `name` (creating it if it does not exist) with `extra` flags.
+    fn open_queue(name: &str, nonblocking: bool, extra: libc::c_int) -> Result<Self, TunError> {
         let bytes = name.as_bytes();
         if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ || bytes.contains(&0) {
             return Err(TunError::BadName(name.to_string()));
@@ -120,7 +146,8 @@ impl Tun {
         for (d, s) in req.ifr_name.iter_mut().zip(bytes) {
             *d = *s as libc::c_char;
         }
-        req.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as i16;
+        req.ifr_ifru.ifru_flags =
+            (libc::IFF_TUN | libc::IFF_NO_PI | libc::IFF_VNET_HDR | extra) as i16;
         let ioctl_err = |what, name: &str| TunError::Ioctl {
             what,
             name: name.to_string(),

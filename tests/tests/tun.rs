@@ -163,3 +163,76 @@ fn tcp_crosses_two_tun_devices_as_whole_gso_super_packets() {
     assert!(!out.status.success(), "{name} outlived its handle");
     drop(nss);
 }
+
+/// A multi-queue device (what an engine task per queue would read): the kernel sees one
+/// device with two queues, and spreads the flows it transmits over both, each packet whole on
+/// one queue.
+#[test]
+fn a_multi_queue_device_spreads_flows_over_its_queues() {
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
+            "CI runs as root: this test must run"
+        );
+        ipoib_tests::loud_skip(
+            "a_multi_queue_device_spreads_flows_over_its_queues",
+            "needs root (network namespaces, /dev/net/tun)",
+        );
+        return;
+    }
+    let ns = "tunt-mq";
+    let _ = Command::new("ip").args(["netns", "del", ns]).output();
+    run(&["ip", "netns", "add", ns]);
+    let nss = Namespaces(vec![ns.into()]);
+    let queues = in_netns(ns, || Tun::create_queues("mq%d", 2, true).expect("queues"));
+    assert_eq!(queues.len(), 2);
+    let dev = queues[0].name().to_string();
+    assert!(queues.iter().all(|q| q.name() == dev), "one device");
+    run(&["ip", "-n", ns, "addr", "add", "10.98.7.1/24", "dev", &dev]);
+    run(&["ip", "-n", ns, "link", "set", &dev, "up"]);
+    let shown = Command::new("ip")
+        .args(["-n", ns, "-d", "link", "show", &dev])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout).to_string();
+    assert!(
+        shown.contains("multi_queue") && shown.contains("numqueues 2"),
+        "the kernel's view of {dev}:\n{shown}"
+    );
+    // 32 UDP flows (one source port each) to an address behind the device.
+    const FLOWS: u16 = 32;
+    in_netns(ns, || {
+        for i in 0..FLOWS {
+            let s = std::net::UdpSocket::bind(("10.98.7.1", 40000 + i)).unwrap();
+            s.send_to(&[i as u8; 100], "10.98.7.2:9").unwrap();
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let mut buf = vec![0u8; TUN_READ_MAX];
+    let mut per_queue = [0u32; 2];
+    let mut ports = std::collections::BTreeSet::new();
+    for (i, q) in queues.iter().enumerate() {
+        while let Ok(n) = q.recv(&mut buf) {
+            let ip = &buf[10..n];
+            // IPv4 to 10.98.7.2, UDP: the source port names the flow.
+            if ip[0] >> 4 == 4 && ip[9] == 17 && ip[16..20] == [10, 98, 7, 2] {
+                let l4 = &ip[usize::from(ip[0] & 0xf) * 4..];
+                ports.insert(u16::from_be_bytes([l4[0], l4[1]]));
+                per_queue[i] += 1;
+            }
+        }
+    }
+    eprintln!("{FLOWS} flows: {per_queue:?} packets per queue");
+    assert_eq!(
+        ports.len(),
+        usize::from(FLOWS),
+        "every flow's packet read once"
+    );
+    assert_eq!(per_queue.iter().sum::<u32>(), u32::from(FLOWS));
+    assert!(
+        per_queue.iter().all(|n| *n > 0),
+        "every flow on one queue: {per_queue:?}"
+    );
+    drop(queues);
+    drop(nss);
+}

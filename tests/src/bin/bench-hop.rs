@@ -10,6 +10,9 @@
 //!   an HCA the transfer is DMA, which costs the CPU nothing.
 //! - `hop-2copy`: the same, but each packet is copied once more (read into a buffer, then
 //!   copied into the slot) as the engine did before it read into its send slots directly.
+//! - `hop-2q`: `hop` on multi-queue TUN devices (IFF_MULTI_QUEUE), two queues each and a
+//!   thread per queue and direction: what an engine task per queue would give. The kernel
+//!   spreads flows over the queues by their hash, so one stream uses one queue.
 //! - `ud-2044`: a veth pair, MTU 2044, TSO and GSO off on the sender, GRO off on the receiver:
 //!   IPoIB datagram mode on an HCA without offloads, a cost per 2 KiB packet on both sides.
 //! - `ud-4092`: MTU 4092, segmentation in software (GSO) on the sender, GRO on the receiver:
@@ -65,15 +68,17 @@ struct Args {
 enum Kind {
     Hop,
     Hop2Copy,
+    Hop2Q,
     Ud2044,
     Ud4092,
     Veth,
 }
 
 impl Kind {
-    const ALL: [Kind; 5] = [
+    const ALL: [Kind; 6] = [
         Kind::Hop,
         Kind::Hop2Copy,
+        Kind::Hop2Q,
         Kind::Ud2044,
         Kind::Ud4092,
         Kind::Veth,
@@ -83,6 +88,7 @@ impl Kind {
         match self {
             Kind::Hop => "hop",
             Kind::Hop2Copy => "hop-2copy",
+            Kind::Hop2Q => "hop-2q",
             Kind::Ud2044 => "ud-2044",
             Kind::Ud4092 => "ud-4092",
             Kind::Veth => "veth",
@@ -98,7 +104,7 @@ impl Kind {
         &'static [&'static str],
     )> {
         match self {
-            Kind::Hop | Kind::Hop2Copy => None,
+            Kind::Hop | Kind::Hop2Copy | Kind::Hop2Q => None,
             Kind::Ud2044 => Some(("2044", &["tso", "off", "gso", "off"], &["gro", "off"])),
             Kind::Ud4092 => Some(("4092", &["tso", "off", "gso", "on"], &["gro", "on"])),
             Kind::Veth => Some(("1500", &[], &[])),
@@ -115,15 +121,15 @@ struct Moved {
     errors: AtomicU64,
 }
 
-/// The hop: two TUN devices and a thread per direction between them.
+/// The hop: two TUN devices and a thread per queue and direction between them.
 struct Relay {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
-    moved: [Arc<Moved>; 2],
+    moved: Vec<Arc<Moved>>,
 }
 
 impl Relay {
-    /// CPU ticks (user + system) of both relay threads so far.
+    /// CPU ticks (user + system) of every relay thread so far.
     fn ticks(&self) -> Result<u64> {
         self.moved
             .iter()
@@ -289,7 +295,10 @@ impl Pair {
             sh(&["ip", "-n", n, "link", "set", "lo", "up"])?;
         }
         let devs = match kind.veth() {
-            None => pair.hop(kind == Kind::Hop2Copy)?,
+            None => {
+                let queues = if kind == Kind::Hop2Q { 2 } else { 1 };
+                pair.hop(kind == Kind::Hop2Copy, queues)?
+            }
             Some((mtu, tx, rx)) => pair.veth(mtu, tx, rx)?,
         };
         for (i, dev) in devs.iter().enumerate() {
@@ -309,30 +318,30 @@ impl Pair {
         Ok(pair)
     }
 
-    /// The TUN devices, opened as the engine opens its own, and the relay between them.
-    fn hop(&mut self, copy: bool) -> Result<[String; 2]> {
-        let [ta, tb] = self
-            .ns
-            .clone()
-            .map(|n| in_netns(&n, || Tun::create("hop%d", true)).map(Arc::new));
-        let (ta, tb) = (ta?, tb?);
-        let names = [ta.name().to_string(), tb.name().to_string()];
+    /// The TUN devices, opened as the engine opens its own with `queues` queues each, and
+    /// the relay between them: a thread per queue and direction, queue i to queue i.
+    fn hop(&mut self, copy: bool, queues: usize) -> Result<[String; 2]> {
+        let [qa, qb] = self.ns.clone().map(|n| {
+            in_netns(&n, move || Tun::create_queues("hop%d", queues, true))
+                .map(|q| q.into_iter().map(Arc::new).collect::<Vec<_>>())
+        });
+        let (qa, qb) = (qa?, qb?);
+        let names = [qa[0].name().to_string(), qb[0].name().to_string()];
         for (ns, name) in self.ns.iter().zip(&names) {
             let up = ["link", "set", name, "addrgenmode", "none", "mtu", "65520"];
             sh(&[&["ip", "-n", ns][..], &up[..]].concat())?;
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let moved = [Arc::new(Moved::default()), Arc::new(Moved::default())];
-        let threads = vec![
-            {
-                let (f, t, s, m) = (ta.clone(), tb.clone(), stop.clone(), moved[0].clone());
-                std::thread::spawn(move || relay(f, t, copy, s, m))
-            },
-            {
-                let (f, t, s, m) = (tb, ta, stop.clone(), moved[1].clone());
-                std::thread::spawn(move || relay(f, t, copy, s, m))
-            },
-        ];
+        let mut moved = Vec::new();
+        let mut threads = Vec::new();
+        for (a, b) in qa.iter().zip(&qb) {
+            for (from, to) in [(a, b), (b, a)] {
+                let m = Arc::new(Moved::default());
+                let (f, t, s, m2) = (from.clone(), to.clone(), stop.clone(), m.clone());
+                threads.push(std::thread::spawn(move || relay(f, t, copy, s, m2)));
+                moved.push(m);
+            }
+        }
         self.relay = Some(Relay {
             stop,
             threads,
