@@ -34,6 +34,9 @@ pub struct Node {
     pub cm_iface: Option<String>,
     pub ip4: Ipv4Addr,
     pub ip6: String,
+    /// The `ipoib-ctl` this node runs, when not this build's ([`ctl_path`]): a benchmark's
+    /// baseline built from another commit.
+    pub ctl_exe: Option<PathBuf>,
 }
 
 pub struct Lab {
@@ -71,6 +74,11 @@ fn ip(args: &[&str]) -> Result<String> {
 }
 
 impl Node {
+    /// The `ipoib-ctl` this node runs.
+    pub fn ctl_exe(&self) -> PathBuf {
+        self.ctl_exe.clone().unwrap_or_else(ctl_path)
+    }
+
     /// Where [`Lab::attach_node`] writes what this node's `ipoib-ctl attach` logs.
     pub fn log_path(&self) -> PathBuf {
         std::env::temp_dir().join(format!("{}.{}.ctl.log", self.ns, self.iface))
@@ -94,7 +102,7 @@ impl Node {
     /// `ipoib-ctl ARGS` in this node's namespace.
     pub fn ctl(&self, args: &[&str]) -> Result<Output> {
         run(self
-            .cmd(ctl_path().to_str().expect("utf-8 path"))
+            .cmd(self.ctl_exe().to_str().expect("utf-8 path"))
             .args(args))
     }
 
@@ -179,6 +187,7 @@ impl Lab {
                 cm_iface: cm_path.then(|| format!("{tag}{side}cm")),
                 ip4: Ipv4Addr::new(10, 77, 0, n),
                 ip6: format!("fd77::{n}"),
+                ctl_exe: None,
             }
         };
         let lab = Lab {
@@ -276,6 +285,7 @@ impl Lab {
             cm_iface: None,
             ip4: Ipv4Addr::new(10, 80, 0, i),
             ip6: format!("fd80::{i}"),
+            ctl_exe: n.ctl_exe.clone(),
         };
         let (a, b) = (rail(&self.a, 1), rail(&self.b, 2));
         ip(&[
@@ -314,7 +324,7 @@ impl Lab {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<u32> {
-        let ctl = ctl_path();
+        let ctl = n.ctl_exe();
         if !ctl.exists() {
             bail!(
                 "{} is not built: `cargo xtask test` builds it (or `cargo build -p ipoib-ctl`)",
@@ -324,7 +334,7 @@ impl Lab {
         let log = n.log_path();
         let log_file = std::fs::File::create(&log)?;
         let child = n
-            .cmd(ctl_path().to_str().expect("utf-8 path"))
+            .cmd(ctl.to_str().expect("utf-8 path"))
             .arg("attach")
             .arg(&n.iface)
             .args(extra)
@@ -359,6 +369,17 @@ impl Lab {
                 );
             }
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Every node of the lab runs `exe` as its `ipoib-ctl` from now on (a benchmark's
+    /// baseline, built from another commit).
+    pub fn run_ctl(&mut self, exe: &std::path::Path) {
+        for n in [&mut self.a, &mut self.b]
+            .into_iter()
+            .chain(self.more.iter_mut())
+        {
+            n.ctl_exe = Some(exe.to_path_buf());
         }
     }
 

@@ -140,6 +140,10 @@ enum Bench {
         /// Interleaved rounds; the median is reported.
         #[arg(long, default_value_t = 3)]
         rounds: u32,
+        /// An ipoib-ctl built from another commit (e.g. a worktree's target/release/ipoib-ctl),
+        /// measured on CM beside this build in every round.
+        #[arg(long)]
+        baseline_ctl: Option<PathBuf>,
     },
     /// On this machine's kernel (root): TCP between two namespaces through the engine's TUN
     /// hop (two TUN devices and a relay), over the kernel's UD stand-ins (veth at MTU 2044
@@ -269,18 +273,29 @@ fn main() -> Result<()> {
                 },
         } => bench_verbs(&root, size, seconds, rounds, qps),
         Cmd::Bench {
-            what: Bench::Engine { seconds, rounds },
-        } => bench_in_vm(
-            &root,
-            "bench-engine",
-            &[
+            what:
+                Bench::Engine {
+                    seconds,
+                    rounds,
+                    baseline_ctl,
+                },
+        } => {
+            let mut args = vec![
                 "--seconds".into(),
                 seconds.to_string(),
                 "--rounds".into(),
                 rounds.to_string(),
-            ],
-            "engine.json",
-        ),
+            ];
+            if let Some(p) = baseline_ctl {
+                // The VM shares this filesystem: the path is the same inside.
+                let p = std::path::absolute(&p)?;
+                if !p.is_file() {
+                    bail!("--baseline-ctl {}: no such file", p.display());
+                }
+                args.extend(["--baseline-ctl".into(), p.display().to_string()]);
+            }
+            bench_in_vm(&root, "bench-engine", &args, "engine.json")
+        }
         Cmd::Bench {
             what: Bench::Memory { budget },
         } => bench_in_vm(

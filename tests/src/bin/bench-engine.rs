@@ -15,6 +15,10 @@
 //! namespaces on the same device, with the engine's mean message size, 1 QP and the engine's
 //! window: how much of the raw RC message rate the engine carries while the kernel's TCP runs
 //! on both ends. The result is one JSON line after `BENCH-JSON `.
+//!
+//! With `--baseline-ctl PATH`, a third lab runs that `ipoib-ctl` (built from another commit)
+//! and its CM run joins each round: the engine before and after a change, side by side in
+//! one boot.
 
 use std::{
     process::{Command, Stdio},
@@ -40,6 +44,9 @@ struct Args {
     /// Interleaved rounds (CM, then UD); the median of each is reported.
     #[arg(long, default_value_t = 3)]
     rounds: u32,
+    /// An `ipoib-ctl` from another commit, measured on CM (SRQ) in each round beside this one.
+    #[arg(long)]
+    baseline_ctl: Option<std::path::PathBuf>,
 }
 
 fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
@@ -119,9 +126,21 @@ fn main() -> Result<()> {
     let dev = rxe_device().context("no RDMA device and none could be made (rdma_rxe)")?;
     let mut lab = Lab::new("bne", false)?;
     let mut rings = Lab::new("bnr", false)?;
-    let result = bench(&mut lab, &mut rings, &dev, &args);
+    let mut baseline = match &args.baseline_ctl {
+        Some(exe) => {
+            ensure!(exe.exists(), "{} does not exist", exe.display());
+            let mut l = Lab::new("bnb", false)?;
+            l.run_ctl(exe);
+            Some(l)
+        }
+        None => None,
+    };
+    let result = bench(&mut lab, &mut rings, baseline.as_mut(), &dev, &args);
     lab.teardown();
     rings.teardown();
+    if let Some(l) = baseline.as_mut() {
+        l.teardown();
+    }
     result
 }
 
@@ -159,9 +178,21 @@ fn cm_run(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     iperf(a, b, secs)
 }
 
-fn bench(lab: &mut Lab, rings: &mut Lab, dev: &str, args: &Args) -> Result<()> {
+fn bench(
+    lab: &mut Lab,
+    rings: &mut Lab,
+    mut baseline: Option<&mut Lab>,
+    dev: &str,
+    args: &Args,
+) -> Result<()> {
     let mut server = start(lab, dev, &[])?;
     let mut rings_server = start(rings, dev, &["--srq", "off"])?;
+    let mut base_server = match baseline.as_mut() {
+        Some(l) => Some(start(l, dev, &[])?),
+        None => None,
+    };
+    let base_nodes = baseline.as_ref().map(|l| (l.a.clone(), l.b.clone()));
+    let mut base_runs = Vec::new();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let (ra, rb) = (rings.a.clone(), rings.b.clone());
     let b_ip = b.ip4.to_string();
@@ -196,6 +227,22 @@ fn bench(lab: &mut Lab, rings: &mut Lab, dev: &str, args: &Args) -> Result<()> {
             set_mode(&ra, "datagram")?;
             wait_mode(&ra, &rb.ip4.to_string(), "ud", Duration::from_secs(10))?;
             let ud = iperf(&a, &b, args.seconds)?;
+            if let Some((ba, bb)) = &base_nodes {
+                let base = cm_run(ba, bb, args.seconds)?;
+                set_mode(ba, "datagram")?;
+                wait_mode(ba, &bb.ip4.to_string(), "ud", Duration::from_secs(10))?;
+                eprintln!(
+                    "round {round}: baseline CM {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B) \
+                     against this build's {:.0} Mbit/s, engine {:.0} msg/s",
+                    base.mbit_s,
+                    base.cpu_s_per_gb,
+                    base.engine_msg_per_s,
+                    base.engine_mean_size,
+                    cm.mbit_s,
+                    cm.engine_msg_per_s
+                );
+                base_runs.push(base);
+            }
             eprintln!(
                 "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B); \
                  CM on rings {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM); \
@@ -227,7 +274,10 @@ fn bench(lab: &mut Lab, rings: &mut Lab, dev: &str, args: &Args) -> Result<()> {
             break;
         }
     }
-    for s in [&mut server, &mut rings_server] {
+    for s in [&mut server, &mut rings_server]
+        .into_iter()
+        .chain(base_server.as_mut())
+    {
         let _ = s.kill();
         let _ = s.wait();
     }
@@ -238,6 +288,14 @@ fn bench(lab: &mut Lab, rings: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         v.sort_by(|x, y| x.mbit_s.total_cmp(&y.mbit_s));
         v[v.len() / 2]
     };
+    // Per round, this build's engine rate over the baseline's (before a median is taken).
+    let mut base_ratio: Vec<f64> = cm_runs
+        .iter()
+        .zip(&base_runs)
+        .map(|(c, b)| c.engine_msg_per_s / b.engine_msg_per_s)
+        .collect();
+    base_ratio.sort_by(f64::total_cmp);
+    let base = (!base_runs.is_empty()).then(|| med(&mut base_runs));
     let (cm, on_rings, ud) = (med(&mut cm_runs), med(&mut ring_runs), med(&mut ud_runs));
     perf_runs.sort_by(|x, y| x.0.total_cmp(&y.0));
     // The round with the median ratio, its own figures beside it.
@@ -257,12 +315,22 @@ fn bench(lab: &mut Lab, rings: &mut Lab, dev: &str, args: &Args) -> Result<()> {
         "engine_mean_size": engine_size.round(),
         "ib_send_bw_msg_per_s": perf.round(),
         "engine_over_ib_send_bw": (engine_over_perftest * 1000.0).round() / 1000.0,
+        "baseline": base.map(|b| json!({
+            "ctl": args.baseline_ctl.as_ref().map(|p| p.display().to_string()),
+            "mbit_s": r1(b.mbit_s), "cpu_s_per_gb": r1(b.cpu_s_per_gb),
+            "engine_msg_per_s": b.engine_msg_per_s.round(),
+            "engine_over_baseline": base_ratio.get(base_ratio.len() / 2).map(|r| (r * 1000.0).round() / 1000.0),
+        })),
     });
     println!(
         "\n{:>9} {:>10} {:>12} {:>10}",
         "path", "Mbit/s", "CPU s/GB", "CM share"
     );
-    for (path, r) in [("CM, SRQ", cm), ("CM, rings", on_rings), ("UD", ud)] {
+    let mut paths = vec![("CM, SRQ", cm), ("CM, rings", on_rings), ("UD", ud)];
+    if let Some(b) = base {
+        paths.push(("baseline", b));
+    }
+    for (path, r) in paths {
         println!(
             "{path:>9} {:>10.0} {:>12.1} {:>9.0}%",
             r.mbit_s,
