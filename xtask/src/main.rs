@@ -144,6 +144,9 @@ enum Bench {
         /// measured on CM beside this build in every round.
         #[arg(long)]
         baseline_ctl: Option<PathBuf>,
+        /// The baseline on rings per connection, beside this build's rings (else on an SRQ).
+        #[arg(long, requires = "baseline_ctl")]
+        baseline_rings: bool,
     },
     /// On this machine's kernel (root): TCP between two namespaces through the engine's TUN
     /// hop (two TUN devices and a relay), over the kernel's UD stand-ins (veth at MTU 2044
@@ -278,6 +281,7 @@ fn main() -> Result<()> {
                     seconds,
                     rounds,
                     baseline_ctl,
+                    baseline_rings,
                 },
         } => {
             let mut args = vec![
@@ -293,6 +297,9 @@ fn main() -> Result<()> {
                     bail!("--baseline-ctl {}: no such file", p.display());
                 }
                 args.extend(["--baseline-ctl".into(), p.display().to_string()]);
+            }
+            if baseline_rings {
+                args.push("--baseline-rings".into());
             }
             bench_in_vm(&root, "bench-engine", &args, "engine.json")
         }

@@ -18,7 +18,8 @@
 //!
 //! With `--baseline-ctl PATH`, a third lab runs that `ipoib-ctl` (built from another commit)
 //! and its CM run joins each round: the engine before and after a change, side by side in
-//! one boot.
+//! one boot (on an SRQ; with `--baseline-rings`, on rings per connection, beside this build's
+//! rings).
 
 use std::{
     process::{Command, Stdio},
@@ -47,6 +48,10 @@ struct Args {
     /// An `ipoib-ctl` from another commit, measured on CM (SRQ) in each round beside this one.
     #[arg(long)]
     baseline_ctl: Option<std::path::PathBuf>,
+    /// The baseline receives on rings per connection (`attach --srq off`), and is compared
+    /// with this build's CM on rings.
+    #[arg(long, requires = "baseline_ctl")]
+    baseline_rings: bool,
 }
 
 fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
@@ -187,8 +192,13 @@ fn bench(
 ) -> Result<()> {
     let mut server = start(lab, dev, &[])?;
     let mut rings_server = start(rings, dev, &["--srq", "off"])?;
+    let base_extra: &[&str] = if args.baseline_rings {
+        &["--srq", "off"]
+    } else {
+        &[]
+    };
     let mut base_server = match baseline.as_mut() {
-        Some(l) => Some(start(l, dev, &[])?),
+        Some(l) => Some(start(l, dev, base_extra)?),
         None => None,
     };
     let base_nodes = baseline.as_ref().map(|l| (l.a.clone(), l.b.clone()));
@@ -231,15 +241,22 @@ fn bench(
                 let base = cm_run(ba, bb, args.seconds)?;
                 set_mode(ba, "datagram")?;
                 wait_mode(ba, &bb.ip4.to_string(), "ud", Duration::from_secs(10))?;
+                let (model, mine) = if args.baseline_rings {
+                    ("rings", &on_rings)
+                } else {
+                    ("SRQ", &cm)
+                };
                 eprintln!(
-                    "round {round}: baseline CM {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B) \
-                     against this build's {:.0} Mbit/s, engine {:.0} msg/s",
+                    "round {round}: baseline CM on {model} {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B) \
+                     against this build's {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B)",
                     base.mbit_s,
                     base.cpu_s_per_gb,
                     base.engine_msg_per_s,
                     base.engine_mean_size,
-                    cm.mbit_s,
-                    cm.engine_msg_per_s
+                    mine.mbit_s,
+                    mine.cpu_s_per_gb,
+                    mine.engine_msg_per_s,
+                    mine.engine_mean_size
                 );
                 base_runs.push(base);
             }
@@ -289,7 +306,12 @@ fn bench(
         v[v.len() / 2]
     };
     // Per round, this build's engine rate over the baseline's (before a median is taken).
-    let mut base_ratio: Vec<f64> = cm_runs
+    let mine = if args.baseline_rings {
+        &ring_runs
+    } else {
+        &cm_runs
+    };
+    let mut base_ratio: Vec<f64> = mine
         .iter()
         .zip(&base_runs)
         .map(|(c, b)| c.engine_msg_per_s / b.engine_msg_per_s)
@@ -317,6 +339,7 @@ fn bench(
         "engine_over_ib_send_bw": (engine_over_perftest * 1000.0).round() / 1000.0,
         "baseline": base.map(|b| json!({
             "ctl": args.baseline_ctl.as_ref().map(|p| p.display().to_string()),
+            "receives": if args.baseline_rings { "rings" } else { "srq" },
             "mbit_s": r1(b.mbit_s), "cpu_s_per_gb": r1(b.cpu_s_per_gb),
             "engine_msg_per_s": b.engine_msg_per_s.round(),
             "engine_over_baseline": base_ratio.get(base_ratio.len() / 2).map(|r| (r * 1000.0).round() / 1000.0),
