@@ -430,10 +430,14 @@ pub const HOUSEKEEPING: Duration = Duration::from_millis(500);
 /// Packets read from the TUN device per turn of the loop, at most.
 const READ_BATCH: usize = 64;
 
-/// Completions taken per poll, and polls per turn of the loop: a receiver that never finds
-/// its CQ empty still lets the loop read, take commands and keep its connections alive.
+/// Completions taken per poll.
 const POLL_BATCH: usize = 64;
-const POLLS_PER_TURN: usize = 4;
+/// How long one turn may take completions before the loop's other work: a receiver that
+/// never finds its CQ empty still reads, takes commands and keeps its connections alive
+/// (housekeeping every [`HOUSEKEEPING`]). Time, not a count: below it the CQ is drained as
+/// it fills, and receive buffers go back as fast as they are filled (a ring of 64 per
+/// connection runs dry, and its sender waits on RNR, if they wait behind other work).
+const TURN_BUDGET: Duration = Duration::from_millis(20);
 
 /// A keepalive's length on the wire: the TUN's virtio-net header and nothing after it.
 pub const KEEPALIVE_LEN: usize = VNET_HDR_LEN;
@@ -828,12 +832,14 @@ impl Core {
         self.outbox.clear();
     }
 
-    /// Takes completions, receives and sends apart, [`POLLS_PER_TURN`] polls at most, then
-    /// posts the sends they freed room for; true when the CQ may hold more.
+    /// Takes completions, receives and sends apart, until the CQ is empty or the turn's
+    /// [`TURN_BUDGET`] is spent, then posts the sends they freed room for; true when the CQ
+    /// may hold more.
     fn completions(&mut self, tun: &Tun) -> Result<bool, EngineError> {
         let mut wcs = std::mem::take(&mut self.wcs);
         let mut result = Ok(true);
-        for _ in 0..POLLS_PER_TURN {
+        let start = std::time::Instant::now();
+        while start.elapsed() < TURN_BUDGET {
             let n = match self.res.recv_cq.poll(&mut wcs, POLL_BATCH) {
                 Ok(n) => n,
                 Err(e) => {

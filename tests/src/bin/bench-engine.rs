@@ -81,6 +81,36 @@ struct Run {
     engine_msg_per_s: f64,
     engine_msgs: u64,
     engine_mean_size: f64,
+    /// RNR NAKs the RDMA devices received during the run (a receiver out of posted buffers
+    /// told a sender to wait), when the device counts them.
+    rnr_naks: Option<u64>,
+}
+
+/// RNR NAKs received so far, summed over every RDMA device and port (`rcvd_rnr_err`, which
+/// rxe and mlx5 count); None when no device has the counter.
+fn rnr_naks() -> Option<u64> {
+    let mut sum = None;
+    for dev in std::fs::read_dir("/sys/class/infiniband").ok()?.flatten() {
+        for port in std::fs::read_dir(dev.path().join("ports"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let f = port.path().join("hw_counters/rcvd_rnr_err");
+            if let Some(n) = std::fs::read_to_string(f)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+            {
+                *sum.get_or_insert(0) += n;
+            }
+        }
+    }
+    sum
+}
+
+/// A run's RNR NAKs, or "?" where the device does not count them.
+fn naks(r: &Run) -> String {
+    r.rnr_naks.map_or("?".into(), |n| n.to_string())
 }
 
 fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
@@ -92,6 +122,7 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         Ok((json_u64(e, "tx_packets"), json_u64(e, "tx_bytes")))
     };
     let e0 = engine(a)?;
+    let rnr0 = rnr_naks();
     let t0 = Instant::now();
     let busy0 = busy_ticks()?;
     let out = a
@@ -102,6 +133,7 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     let busy1 = busy_ticks()?;
     let secs_run = t0.elapsed().as_secs_f64();
     let e1 = engine(a)?;
+    let rnr1 = rnr_naks();
     ensure!(
         out.status.success(),
         "iperf3: {}",
@@ -123,6 +155,7 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         engine_msg_per_s: (e1.0 - e0.0) as f64 / secs_run,
         engine_msgs: e1.0 - e0.0,
         engine_mean_size: (e1.1 - e0.1) as f64 / (e1.0 - e0.0).max(1) as f64,
+        rnr_naks: rnr0.zip(rnr1).map(|(x, y)| y.saturating_sub(x)),
     })
 }
 
@@ -247,31 +280,35 @@ fn bench(
                     ("SRQ", &cm)
                 };
                 eprintln!(
-                    "round {round}: baseline CM on {model} {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B) \
-                     against this build's {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B)",
+                    "round {round}: baseline CM on {model} {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B, {} RNR NAKs) \
+                     against this build's {:.0} Mbit/s ({:.1} CPU s/GB, engine {:.0} msg/s of {:.0} B, {} RNR NAKs)",
                     base.mbit_s,
                     base.cpu_s_per_gb,
                     base.engine_msg_per_s,
                     base.engine_mean_size,
+                    naks(&base),
                     mine.mbit_s,
                     mine.cpu_s_per_gb,
                     mine.engine_msg_per_s,
-                    mine.engine_mean_size
+                    mine.engine_mean_size,
+                    naks(mine)
                 );
                 base_runs.push(base);
             }
             eprintln!(
-                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B); \
-                 CM on rings {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM); \
+                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B, {} RNR NAKs); \
+                 CM on rings {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, {} RNR NAKs); \
                  UD {:.0} Mbit/s ({:.1} CPU s/GB); ib_send_bw {perf:.0} msg/s",
                 cm.mbit_s,
                 cm.cpu_s_per_gb,
                 cm.cm_share * 100.0,
                 cm.engine_msg_per_s,
                 cm.engine_mean_size,
+                naks(&cm),
                 on_rings.mbit_s,
                 on_rings.cpu_s_per_gb,
                 on_rings.cm_share * 100.0,
+                naks(&on_rings),
                 ud.mbit_s,
                 ud.cpu_s_per_gb
             );
@@ -329,8 +366,8 @@ fn bench(
         "kernel": String::from_utf8_lossy(&Command::new("uname").arg("-r").output()?.stdout).trim(),
         "seconds": args.seconds,
         "rounds": args.rounds,
-        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0},
-        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0},
+        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks},
+        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0, "rnr_naks": on_rings.rnr_naks},
         "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb)},
         "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
         "engine_msg_per_s": engine_rate.round(),
@@ -341,7 +378,7 @@ fn bench(
             "ctl": args.baseline_ctl.as_ref().map(|p| p.display().to_string()),
             "receives": if args.baseline_rings { "rings" } else { "srq" },
             "mbit_s": r1(b.mbit_s), "cpu_s_per_gb": r1(b.cpu_s_per_gb),
-            "engine_msg_per_s": b.engine_msg_per_s.round(),
+            "engine_msg_per_s": b.engine_msg_per_s.round(), "rnr_naks": b.rnr_naks,
             "engine_over_baseline": base_ratio.get(base_ratio.len() / 2).map(|r| (r * 1000.0).round() / 1000.0),
         })),
     });
