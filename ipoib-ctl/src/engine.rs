@@ -24,6 +24,10 @@
 //! while no send slot is free. A send that completes in error reports
 //! [`EngineEvent::QpError`] once per QP.
 //!
+//! One turn of the loop does one thing: a batch of TUN reads (each packet posted as it is
+//! read), or completions until the CQ is empty or 20 ms are spent (the sends they
+//! release posted at the end, one chain per QP), or a command, or housekeeping.
+//!
 //! The engine owns its routes (destination address to connection) and its per-QP receive
 //! counts: the control plane changes routes with [`EngineCommand`]s through an
 //! [`EngineControl`] and hears back [`EngineEvent`]s, so no lock is taken per packet sent. On
