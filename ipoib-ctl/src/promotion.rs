@@ -964,6 +964,34 @@ mod tests {
         assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::PlanFull));
     }
 
+    /// Status says why a setup failed, in words that tell the causes apart.
+    #[test]
+    fn a_failed_setup_is_explained_by_its_cause() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        s.second(&[(1, 20 * MB, 65000, 0)]);
+        assert_eq!(
+            s.second(&[(1, 20 * MB, 65000, 0)]),
+            vec![Action::Connect(1)]
+        );
+        s.p.failed(s.now, &1, Failure::NotRunning);
+        assert_eq!(
+            s.p.explain(&1).unwrap().to_string(),
+            "ud: retry after the peer runs no ipoib-hybrid (nothing of ours answers its \
+             handshake port) (1 failure(s) in a row)"
+        );
+        let all = [
+            Failure::Rejected,
+            Failure::Timeout,
+            Failure::QpError,
+            Failure::NoResources,
+            Failure::NotRunning,
+            Failure::Network,
+        ];
+        let words: std::collections::HashSet<String> = all.iter().map(|f| f.to_string()).collect();
+        assert_eq!(words.len(), all.len(), "{words:?}");
+        assert!(words.iter().all(|w| !w.is_empty()));
+    }
+
     #[test]
     fn datagram_mode_drains_everything_and_promotes_nothing() {
         let mut s = Sim::new(cfg(8), Mode::Auto);
