@@ -1203,8 +1203,6 @@ fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<Engi
     (t, events)
 }
 
-/// The plan's cap as the policy lowers it now ([`live_cap`]; the state file is read on
-/// every tick, so a `set-policy` takes effect live).
 /// The operator's pins, by address, from the peers map as read.
 fn pins(peers: &[(PeerKey, PeerEntry)]) -> Vec<(IpAddr, PeerPin)> {
     peers
@@ -1213,6 +1211,8 @@ fn pins(peers: &[(PeerKey, PeerEntry)]) -> Vec<(IpAddr, PeerPin)> {
         .collect()
 }
 
+/// The plan's cap as the policy lowers it now ([`live_cap`]; the state file is read on
+/// every tick, so a `set-policy` takes effect live).
 fn cap(iface: &str, plan_max: usize, ring_bytes: Option<u64>) -> usize {
     let state = crate::attach::read_state(iface);
     live_cap(

@@ -395,9 +395,11 @@ struct Core {
     keepalives_by_qp: Totals,
     /// QPs something was sent on since the last housekeeping (the others get a keepalive).
     sent_on: HashSet<u32>,
-    /// Sends decided in this turn (QP number, request), posted together at its end: one
-    /// chain per QP (see [`Core::flush`]).
+    /// Sends decided and not yet posted (QP number, request): posted by [`Core::flush`], one
+    /// chain per QP, after each read ([`READ_CHAIN`]) and at the end of a completion turn.
     outbox: Vec<(u32, SendRequest)>,
+    /// One QP's part of the outbox while it is posted (kept to reuse its memory).
+    chain: Vec<SendRequest>,
     /// The completions of one poll, kept to reuse its memory.
     wcs: Vec<Completion>,
     events: Option<mpsc::UnboundedSender<EngineEvent>>,
@@ -438,7 +440,7 @@ const READ_BATCH: usize = 64;
 /// is read. Measured (`bench engine --baseline-rings`, soft-RoCE): chains of up to 64 made CM
 /// on rings per connection collapse in 10 of 25 rounds (116-213 Mbit/s against about 300,
 /// its super-packets shrinking to 14-22 KB; no RNR NAKs), where the build that posted each
-/// packet never did in 10, nor this one with a chain of 1 in 5. Why is not known; what a
+/// packet never did in 10, nor this one with a chain of 1 in 10. Why is not known; what a
 /// long chain saves (a post call per packet) is not worth it.
 const READ_CHAIN: usize = 1;
 
@@ -446,9 +448,9 @@ const READ_CHAIN: usize = 1;
 const POLL_BATCH: usize = 64;
 /// How long one turn may take completions before the loop's other work: a receiver that
 /// never finds its CQ empty still reads, takes commands and keeps its connections alive
-/// (housekeeping every [`HOUSEKEEPING`]). Time, not a count: below it the CQ is drained as
-/// it fills, and receive buffers go back as fast as they are filled (a ring of 64 per
-/// connection runs dry, and its sender waits on RNR, if they wait behind other work).
+/// (housekeeping every [`HOUSEKEEPING`]). Time, not a count: short of it the CQ is drained
+/// as it fills, as the engine always did, and each receive buffer is posted again as soon as
+/// its message is taken.
 const TURN_BUDGET: Duration = Duration::from_millis(20);
 
 /// A keepalive's length on the wire: the TUN's virtio-net header and nothing after it.
@@ -489,6 +491,7 @@ impl Engine {
                 keepalives_by_qp: Totals::default(),
                 sent_on: HashSet::new(),
                 outbox: Vec::with_capacity(2 * READ_BATCH),
+                chain: Vec::with_capacity(2 * READ_BATCH),
                 wcs: Vec::with_capacity(POLL_BATCH),
                 events: None,
             },
@@ -808,7 +811,7 @@ impl Core {
         }
         // Stable: each QP's sends keep their order.
         self.outbox.sort_by_key(|(qpn, _)| *qpn);
-        let mut chain: Vec<SendRequest> = Vec::with_capacity(self.outbox.len());
+        let mut chain = std::mem::take(&mut self.chain);
         let mut rest = &self.outbox[..];
         while let Some(&(qpn, _)) = rest.first() {
             let n = rest.iter().take_while(|(q, _)| *q == qpn).count();
@@ -847,6 +850,7 @@ impl Core {
             }
         }
         self.outbox.clear();
+        self.chain = chain;
     }
 
     /// Takes completions, receives and sends apart, until the CQ is empty or the turn's

@@ -514,6 +514,10 @@ impl MemoryRegion {
     }
 }
 
+/// Sends one provider call takes at most in [`RcQueuePair::post_sends`] (its chain is built
+/// on the stack; longer lists go in several calls).
+pub const POST_CHAIN_MAX: usize = 64;
+
 /// Completions one [`CompletionQueue::poll`] takes at most (on the stack).
 pub const POLL_MAX: usize = 64;
 
@@ -1185,8 +1189,8 @@ impl RcQueuePair {
         r
     }
 
-    /// Posts `sends` as one chain of signaled SENDs, in order, in one call (one doorbell on
-    /// the HCA, one system call on soft-RoCE). Returns how many were posted, from the first:
+    /// Posts `sends` as chains of signaled SENDs, in order, one call per [`POST_CHAIN_MAX`]
+    /// (one doorbell on the HCA, one system call on soft-RoCE). Returns how many were posted, from the first:
     /// on an error the rest were not (their slots are the caller's again). Each slot must stay
     /// untouched until its send completes.
     pub fn post_sends(
@@ -1208,23 +1212,41 @@ impl RcQueuePair {
             let (posted, r) = self.post_sends(region, &sends[..bad]);
             return (posted, r.and(Err(e)));
         }
-        let mut sges: Vec<ffi::ibv_sge> = sends.iter().map(|s| region.sge(s.slot, s.len)).collect();
-        let mut wrs: Vec<ffi::ibv_send_wr> = sends
-            .iter()
-            .map(|s| ffi::ibv_send_wr {
-                wr_id: s.wr_id,
-                next: ptr::null_mut(),
-                sg_list: ptr::null_mut(),
-                num_sge: 1,
-                opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
-                send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-                ..Default::default()
-            })
-            .collect();
-        // Linked only now: neither vector moves again.
-        for k in 0..wrs.len() {
-            wrs[k].sg_list = &mut sges[k];
-            if k + 1 < wrs.len() {
+        let mut posted = 0;
+        for chunk in sends.chunks(POST_CHAIN_MAX) {
+            let (n, r) = self.post_chain(region, chunk);
+            posted += n;
+            if r.is_err() {
+                return (posted, r);
+            }
+        }
+        (posted, Ok(()))
+    }
+
+    /// One call of the provider's post_send for `sends` (at most [`POST_CHAIN_MAX`], checked
+    /// against the region), the chain built on the stack.
+    fn post_chain(
+        &self,
+        region: &MemoryRegion,
+        sends: &[SendRequest],
+    ) -> (usize, Result<(), VerbsError>) {
+        debug_assert!(!sends.is_empty() && sends.len() <= POST_CHAIN_MAX);
+        // SAFETY: plain integers and pointers; zero (null) is a valid value of each.
+        let mut sges: [ffi::ibv_sge; POST_CHAIN_MAX] = unsafe { std::mem::zeroed() };
+        let mut wrs: [ffi::ibv_send_wr; POST_CHAIN_MAX] = unsafe { std::mem::zeroed() };
+        let n = sends.len();
+        for (k, s) in sends.iter().enumerate() {
+            sges[k] = region.sge(s.slot, s.len);
+        }
+        // Linked in place: neither array moves before the call.
+        for k in 0..n {
+            let wr = &mut wrs[k];
+            wr.wr_id = sends[k].wr_id;
+            wr.sg_list = &mut sges[k];
+            wr.num_sge = 1;
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+            wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            if k + 1 < n {
                 wrs[k].next = &mut wrs[k + 1] as *mut _;
             }
         }
@@ -1240,14 +1262,14 @@ impl RcQueuePair {
             }
         };
         if rc == 0 {
-            return (sends.len(), Ok(()));
+            return (n, Ok(()));
         }
         // The provider names the first request it did not take; without one, none went.
         let posted = if bad.is_null() {
             0
         } else {
             // SAFETY: `bad` points into the chain, at or after its base.
-            (unsafe { bad.offset_from(base) } as usize).min(sends.len())
+            (unsafe { bad.offset_from(base) } as usize).min(n)
         };
         (posted, self.ctx().check("post_send", rc))
     }
