@@ -156,7 +156,21 @@ fn handshake_listeners_are_per_interface() {
                 let lo = listen("lo", port).expect("another interface's, on the same port");
                 let again = listen(&iface, port).err().map(|e| e.to_string());
                 drop((first, lo));
-                let everywhere = std::net::TcpListener::bind("[::]:4755").unwrap();
+                // The port comes free when the last reference to those sockets goes: a child
+                // another test thread is spawning holds a copy of every fd until its exec.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let everywhere = loop {
+                    match std::net::TcpListener::bind("[::]:4755") {
+                        Ok(l) => break l,
+                        Err(e)
+                            if e.kind() == std::io::ErrorKind::AddrInUse
+                                && Instant::now() < deadline =>
+                        {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(e) => panic!("binding [::]:4755 after our listeners closed: {e}"),
+                    }
+                };
                 let taken = listen(&iface, port).err().map(|e| e.to_string());
                 drop(everywhere);
                 (again, taken)
