@@ -369,14 +369,18 @@ fn goes_on_over_ud(a: &Node, peer: &str, fell: &PeerView) {
     );
 }
 
-/// The fault gone (`what`), `peer` is back on CM at A within `within` and the flow goes CM
-/// again: more than 1 MiB in the next 4 s.
-fn returns_to_cm(a: &Node, peer: &str, within: Duration, what: &str) {
+/// The fault gone (`what`), `b` is back on CM at A within `within` and the flow goes CM
+/// again: more than 1 MiB in the next 4 s. Both nodes' logs are printed if not.
+fn returns_to_cm(a: &Node, b: &Node, within: Duration, what: &str) {
+    let peer = &b.ip4.to_string();
     let t = Instant::now();
     let back = a.wait_peer_mode(peer, "cm_up", within).unwrap_or_else(|| {
         panic!(
-            "not back on CM within {within:?} of {what}: {:#?}",
-            a.cm().unwrap()
+            "not back on CM within {within:?} of {what}: {:#?}\nB: {:#?}\nA's log:\n{}\nB's log:\n{}",
+            a.cm().unwrap(),
+            b.cm().ok().flatten().map(|c| (c.connections, c.peers)),
+            ctl_log(a),
+            ctl_log(b)
         )
     });
     eprintln!("{what}: back on CM after {:.1?}", t.elapsed());
@@ -769,7 +773,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         "B restarted with a stale entry for A: {b_view} (A sees B as {a_view})"
     );
     // After A's backoff the flow is promoted again.
-    returns_to_cm(&a, &b_ip, Duration::from_secs(30), "B's restart");
+    returns_to_cm(&a, &b, Duration::from_secs(30), "B's restart");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     lab.teardown();
@@ -1369,7 +1373,7 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     goes_on_over_ud(&a, &b_ip, &fell);
 
     drop(guard);
-    returns_to_cm(&a, &b_ip, Duration::from_secs(90), "the link's return");
+    returns_to_cm(&a, &b, Duration::from_secs(90), "the link's return");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     lab.teardown();
@@ -1873,7 +1877,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     );
 
     drop(resume);
-    returns_to_cm(&a, &b_ip, Duration::from_secs(90), "B's resumption");
+    returns_to_cm(&a, &b, Duration::from_secs(90), "B's resumption");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     // mode=datagram drains the connection; the engine forgets what it tracked for it.
