@@ -388,7 +388,14 @@ fn returns_to_cm(a: &Node, b: &Node, within: Duration, what: &str) {
     let later = a.peer(peer).unwrap().unwrap();
     assert!(
         later.traffic.tx_cm_bytes > back.traffic.tx_cm_bytes + (1 << 20),
-        "back on CM, yet the flow does not go CM: {later:?}"
+        "back on CM, yet the flow does not go CM: {later:?}\nA: {:#?}\nB: {:#?}\nA's log:\n{}\nB's log:\n{}",
+        a.cm()
+            .ok()
+            .flatten()
+            .map(|c| (c.connections, c.engine, c.peers)),
+        b.cm().ok().flatten().map(|c| (c.connections, c.peers)),
+        ctl_log(a),
+        ctl_log(b)
     );
 }
 
