@@ -102,6 +102,8 @@ pub struct EngineStats {
     pub rx_errors: AtomicU64,
     /// Writes into the TUN device that failed.
     pub rx_tun_errors: AtomicU64,
+    /// Receive buffers the SRQ refused when posted again (each one fewer on the SRQ).
+    pub rx_repost_errors: AtomicU64,
     /// Keepalives sent on connections that were idle this way, and received.
     pub keepalives_sent: AtomicU64,
     pub keepalives_received: AtomicU64,
@@ -143,6 +145,7 @@ impl EngineStats {
             ("rx_bytes", g(&self.rx_bytes)),
             ("rx_errors", g(&self.rx_errors)),
             ("rx_tun_errors", g(&self.rx_tun_errors)),
+            ("rx_repost_errors", g(&self.rx_repost_errors)),
             ("keepalives_sent", g(&self.keepalives_sent)),
             ("keepalives_received", g(&self.keepalives_received)),
             ("flows", g(&self.flows)),
@@ -924,7 +927,14 @@ impl Core {
                 tracing::debug!("reposting on QP {}: {e}", wc.qp_num);
                 Ok(())
             }
-            Err(e) => Err(e.into()),
+            // The SRQ refused the buffer: it holds one fewer (its limit event says when it runs
+            // low). Counted and said, not fatal: stopping the engine would stop connected mode
+            // on this node for good, for one buffer.
+            Err(e) => {
+                Self::count(&self.stats.rx_repost_errors);
+                tracing::warn!("reposting a receive buffer on the SRQ: {e}");
+                Ok(())
+            }
         }
     }
 

@@ -149,6 +149,7 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
         "send_errors",
         "rx_errors",
         "rx_tun_errors",
+        "rx_repost_errors",
     ] {
         assert_eq!(here[k], 0, "A {k}: {here:?}");
         assert_eq!(there[k], 0, "B {k}: {there:?}");
