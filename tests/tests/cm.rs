@@ -256,6 +256,20 @@ fn two_nodes(
     (a, cma, b, cmb)
 }
 
+/// One connection from A to B, both ends: A's, and the one B's listener took.
+fn connect_a_to_b(
+    rt: &tokio::runtime::Runtime,
+    cma: &Arc<Cm>,
+    cmb: &Arc<Cm>,
+) -> (Connection, Connection) {
+    rt.block_on(async {
+        let (addr_b, mut in_b) = listen(cmb).await;
+        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
+        let p = in_b.recv().await.unwrap().1.unwrap();
+        (c, p)
+    })
+}
+
 type Incoming = tokio::sync::mpsc::UnboundedReceiver<(SocketAddr, Result<Connection, SetupError>)>;
 
 async fn listen(cm: &Arc<Cm>) -> (SocketAddr, Incoming) {
@@ -513,12 +527,7 @@ fn srq_limit_event_fires_before_starvation() {
     let srq = b.srq().clone();
     assert_eq!(srq.query().unwrap().srq_limit, 16);
     let rt = rt();
-    let (conn, _peer_conn) = rt.block_on(async {
-        let (addr_b, mut in_b) = listen(&cmb).await;
-        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
-        let p = in_b.recv().await.unwrap().1.unwrap();
-        (c, p)
-    });
+    let (conn, _peer_conn) = connect_a_to_b(&rt, &cma, &cmb);
     // 50 of B's 64 receives consumed, none posted again: 14 left, under the limit of 16.
     let mut pa = Pump::new(a.clone());
     let mut none = Vec::new();
@@ -836,12 +845,7 @@ fn a_chain_of_sends_is_posted_in_order_and_cut_where_the_queue_is_full() {
     };
     let (a, cma, b, cmb) = two_nodes(&dev, small, SetupConfig::default());
     let rt = rt();
-    let (conn, _peer_conn) = rt.block_on(async {
-        let (addr_b, mut in_b) = listen(&cmb).await;
-        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
-        let p = in_b.recv().await.unwrap().1.unwrap();
-        (c, p)
-    });
+    let (conn, _peer_conn) = connect_a_to_b(&rt, &cma, &cmb);
     let fill = |slots: std::ops::Range<u32>, first: u32| -> Vec<SendRequest> {
         slots
             .enumerate()

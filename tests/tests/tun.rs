@@ -67,17 +67,22 @@ fn relay(from: Arc<Tun>, to: Arc<Tun>, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
     }
 }
 
+/// Whether the test may run: root, or else a loud skip (a failure where CI requires it).
+fn root_or_skip(test: &str) -> bool {
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    assert!(
+        std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
+        "CI runs as root: this test must run"
+    );
+    ipoib_tests::loud_skip(test, "needs root (network namespaces, /dev/net/tun)");
+    false
+}
+
 #[test]
 fn tcp_crosses_two_tun_devices_as_whole_gso_super_packets() {
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(
-            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
-            "CI runs as root: this test must run"
-        );
-        ipoib_tests::loud_skip(
-            "tcp_crosses_two_tun_devices_as_whole_gso_super_packets",
-            "needs root (network namespaces, /dev/net/tun)",
-        );
+    if !root_or_skip("tcp_crosses_two_tun_devices_as_whole_gso_super_packets") {
         return;
     }
     let (a, b) = ("tunt-a", "tunt-b");
@@ -169,15 +174,7 @@ fn tcp_crosses_two_tun_devices_as_whole_gso_super_packets() {
 /// one queue.
 #[test]
 fn a_multi_queue_device_spreads_flows_over_its_queues() {
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(
-            std::env::var("IPOIB_REQUIRE_BPF").as_deref() != Ok("1"),
-            "CI runs as root: this test must run"
-        );
-        ipoib_tests::loud_skip(
-            "a_multi_queue_device_spreads_flows_over_its_queues",
-            "needs root (network namespaces, /dev/net/tun)",
-        );
+    if !root_or_skip("a_multi_queue_device_spreads_flows_over_its_queues") {
         return;
     }
     let ns = "tunt-mq";
