@@ -1231,26 +1231,36 @@ impl RcQueuePair {
         sends: &[SendRequest],
     ) -> (usize, Result<(), VerbsError>) {
         debug_assert!(!sends.is_empty() && sends.len() <= POST_CHAIN_MAX);
-        // SAFETY: plain integers and pointers; zero (null) is a valid value of each.
-        let mut sges: [ffi::ibv_sge; POST_CHAIN_MAX] = unsafe { std::mem::zeroed() };
-        let mut wrs: [ffi::ibv_send_wr; POST_CHAIN_MAX] = unsafe { std::mem::zeroed() };
+        // Only the chain's own entries are written (most chains are one send: the other 63
+        // stay untouched on the hot path); nothing reads past them.
+        let mut sges = [const { std::mem::MaybeUninit::<ffi::ibv_sge>::uninit() }; POST_CHAIN_MAX];
+        let mut wrs =
+            [const { std::mem::MaybeUninit::<ffi::ibv_send_wr>::uninit() }; POST_CHAIN_MAX];
         let n = sends.len();
+        // Written through these pointers only, so neither array is borrowed again before the
+        // call; neither moves.
+        let base = wrs.as_mut_ptr().cast::<ffi::ibv_send_wr>();
+        let sge_base = sges.as_mut_ptr().cast::<ffi::ibv_sge>();
         for (k, s) in sends.iter().enumerate() {
-            sges[k] = region.sge(s.slot, s.len);
-        }
-        // Linked in place: neither array moves before the call.
-        for k in 0..n {
-            let wr = &mut wrs[k];
-            wr.wr_id = sends[k].wr_id;
-            wr.sg_list = &mut sges[k];
-            wr.num_sge = 1;
-            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
-            wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-            if k + 1 < n {
-                wrs[k].next = &mut wrs[k + 1] as *mut _;
+            // SAFETY: k < n <= POST_CHAIN_MAX: within both arrays; k + 1 is written next turn.
+            unsafe {
+                let sge = sge_base.add(k);
+                sge.write(region.sge(s.slot, s.len));
+                base.add(k).write(ffi::ibv_send_wr {
+                    wr_id: s.wr_id,
+                    next: if k + 1 < n {
+                        base.add(k + 1)
+                    } else {
+                        ptr::null_mut()
+                    },
+                    sg_list: sge,
+                    num_sge: 1,
+                    opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
+                    send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+                    ..Default::default()
+                });
             }
         }
-        let base = wrs.as_mut_ptr();
         let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
         // SAFETY: valid QP; the chain and its SGEs outlive the call; the region is registered
         // on this PD.
