@@ -58,6 +58,18 @@ fn lab_counts_traffic_and_takes_policy_live() {
 
     // Warm up ARP so the counted pings are the only IPv4 unicast between the two.
     ping(&a, &b_ip, 1, 56, "0.2");
+    // The pings are counted at each peer's traffic slot: the entry that names it comes with
+    // it (a peer first seen is counted apart, and a packet counted apart as it moves to its
+    // slot can be lost: see `DatapathMaps::give_slot`).
+    for (n, peer) in [(&a, &b_ip), (&b, &a_ip)] {
+        assert!(
+            n.wait_peer_mode(peer, "ud", Duration::from_secs(10))
+                .is_some(),
+            "{}: no entry for {peer}: {:?}",
+            n.ns,
+            n.peer(peer)
+        );
+    }
     let a0 = peer_or_zero(&a, &b_ip);
     let b0 = peer_or_zero(&b, &a_ip);
     assert_eq!(ping(&a, &b_ip, 20, 56, "0.05"), (20, 20));
