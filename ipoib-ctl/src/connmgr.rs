@@ -212,6 +212,11 @@ pub struct CmStatus {
     /// Tasks alive in the control loop's runtime.
     #[serde(default)]
     pub tasks: u64,
+    /// The latest the policy's tick ran after its time, since connected mode started: how
+    /// long the thread that runs the control loop, the engine and the handshakes was kept
+    /// from it (milliseconds).
+    #[serde(default)]
+    pub tick_late_max_ms: u64,
     pub engine: HashMap<String, u64>,
     pub peers: Vec<PeerStatus>,
 }
@@ -568,6 +573,13 @@ struct EngineTask {
     task: Option<JoinHandle<(Engine, Result<(), EngineError>)>>,
 }
 
+/// An interval whose missed ticks are delayed, not bunched.
+fn delayed_interval(period: Duration) -> tokio::time::Interval {
+    let mut i = tokio::time::interval(period);
+    i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    i
+}
+
 /// The engine task's end; never, once it was taken.
 async fn engine_end<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
     match task {
@@ -626,6 +638,8 @@ pub struct Manager {
     /// it has run without a gap longer than [`ENGINE_DEADLINE`] (monotonic ns).
     looked_at: u64,
     awake_since: u64,
+    /// The latest a tick ran after its time (see [`CmStatus::tick_late_max_ms`]).
+    tick_late_max: Duration,
 }
 
 impl Manager {
@@ -661,8 +675,7 @@ impl Manager {
         let tun_name = engine.tun_name().to_string();
         let (engine, engine_events) = spawn_engine(engine);
         let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
-        let mut tick = tokio::time::interval(opts.tick);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let tick = delayed_interval(opts.tick);
         let m = Self {
             device_events,
             iface: iface.to_string(),
@@ -690,6 +703,7 @@ impl Manager {
             opts,
             looked_at: monotonic_ns(),
             awake_since: monotonic_ns(),
+            tick_late_max: Duration::ZERO,
         };
         m.log_started();
         Ok(m)
@@ -724,7 +738,10 @@ impl Manager {
     pub async fn next_input(&mut self) -> Input {
         // The tick never ends, so some branch always stays enabled.
         tokio::select! {
-            _ = self.tick.tick() => Input::Tick,
+            at = self.tick.tick() => {
+                self.tick_late_max = self.tick_late_max.max(at.elapsed());
+                Input::Tick
+            }
             Some(e) = self.engine_events.recv() => Input::Engine(e),
             Ok(mut g) = self.device_events.readable() => {
                 g.clear_ready();
@@ -1065,6 +1082,7 @@ impl Manager {
             tasks: tokio::runtime::Handle::current()
                 .metrics()
                 .num_alive_tasks() as u64,
+            tick_late_max_ms: self.tick_late_max.as_millis() as u64,
             engine: engine
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))

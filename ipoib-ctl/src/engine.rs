@@ -577,9 +577,13 @@ impl Engine {
                     cq.arm()?;
                     more = self.core.completions(&self.tun)?;
                 }
-                // What the CQ still held after the last turn's share: taken now, after the
-                // other branches had their chance (select picks among the ready at random).
-                () = std::future::ready(()), if more => {
+                // What the CQ still held after the last turn's share: taken after the other
+                // branches had their chance (select picks among the ready at random) and the
+                // runtime too. The yield is what lets the control loop, which shares this
+                // thread, run between turns: a future that is always ready never gives the
+                // thread back (seen: a peer taken for dead, its keepalives unread for 3.9 s,
+                // under four bulk streams in the VM).
+                () = tokio::task::yield_now(), if more => {
                     more = self.core.completions(&self.tun)?;
                 }
                 g = tun.readable(), if can_send => {

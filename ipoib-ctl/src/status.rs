@@ -437,8 +437,9 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
     );
     let _ = writeln!(
         out,
-        "    handshake: {} streams waiting for a REQ, {} dropped unanswered; {} tasks",
-        cm.awaiting_req, cm.dropped_awaiting_req, cm.tasks
+        "    handshake: {} streams waiting for a REQ, {} dropped unanswered; {} tasks; tick \
+         late by {} ms at most",
+        cm.awaiting_req, cm.dropped_awaiting_req, cm.tasks, cm.tick_late_max_ms
     );
     render_engine(out, cm);
     for p in &cm.peers {

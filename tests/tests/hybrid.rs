@@ -2109,6 +2109,17 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
         ctl_log(&b)
     );
     assert_eq!(engine_count(&cm, "send_errors"), 0, "{cm:#?}");
+    // Under four bulk streams each node's thread still gave its control loop its tick on
+    // time, give or take: the engine beside it yields between turns of completions.
+    for n in [&a, &b] {
+        let late = Duration::from_millis(cm_of(n).tick_late_max_ms);
+        eprintln!("{}: the policy's tick late by {late:?} at most", n.ns);
+        assert!(
+            late < Duration::from_secs(1),
+            "{}: the control loop was kept from its tick for {late:?}",
+            n.ns
+        );
+    }
     let total: u64 = streams.into_iter().map(Stream::finish).sum();
     eprintln!("{} MiB in four streams crossed intact", total >> 20);
     lab.teardown();
