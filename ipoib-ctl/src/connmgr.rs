@@ -18,7 +18,7 @@ use std::{
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::{
-        Arc,
+        Arc, Weak,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
@@ -642,7 +642,32 @@ pub struct Manager {
     tick_late_max: Duration,
 }
 
+/// What a stopped [`Manager`] may leave behind for a while: its verbs resources and its share
+/// of the node's budget, held by tasks still finishing (a setup in its handshake, a stream
+/// that has not sent its REQ yet). Connected mode starts again only once they are gone: the
+/// device would hold both sets of resources, and the old share's end would remove the new
+/// one's file from the ledger.
+#[derive(Debug, Clone)]
+pub struct Remains {
+    res: Weak<Resources>,
+    ledger: Weak<Ledger>,
+}
+
+impl Remains {
+    pub fn gone(&self) -> bool {
+        self.res.strong_count() == 0 && self.ledger.strong_count() == 0
+    }
+}
+
 impl Manager {
+    /// What this connected mode leaves behind until its last task ends (see [`Remains`]).
+    pub fn remains(&self) -> Remains {
+        Remains {
+            res: Arc::downgrade(&self.res),
+            ledger: Arc::downgrade(&self.ledger),
+        }
+    }
+
     /// Sets connected mode up on `iface` (attached, its maps pinned in `pin_dir`): the plan,
     /// verbs resources, TUN device, engine, handshake listener and device events. When this
     /// returns Ok, connected mode runs and every stale CM entry is reset to UD. Must be called

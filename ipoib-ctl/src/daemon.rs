@@ -11,7 +11,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     attach::{self, AttachError, Attached},
     clock::monotonic_ns,
-    connmgr::{CmError, CmOptions, Manager},
+    connmgr::{CmError, CmOptions, Manager, Remains},
     maps::MapsError,
     service::Notifier,
 };
@@ -71,6 +71,7 @@ async fn run_async(
 ) -> Result<(), DaemonError> {
     let mut notify = Notifier::from_env();
     let mut ud_only = None;
+    let options = cm.as_ref().ok().map(|c| c.options.clone());
     let mut manager = match cm {
         Ok(cm) => start_cm(iface, cm, &mut ud_only).await?,
         Err(why) => {
@@ -78,6 +79,10 @@ async fn run_async(
             None
         }
     };
+    // Connected mode that ran once is started again when it stops on an error.
+    let mut restart = options
+        .filter(|_| manager.is_some())
+        .map(|o| (o, Backoff::new(std::time::Instant::now())));
     // Only now is this loop running: whoever waits for it (status: loop_pid) finds connected
     // mode set up, and the entries a killed predecessor left CM_UP already reset.
     att.state.loop_pid = Some(std::process::id());
@@ -93,7 +98,15 @@ async fn run_async(
         None => format!("{iface}: fast path attached, connected mode up"),
         Some(why) => format!("{iface}: fast path attached, every peer on UD ({why})"),
     });
-    let looped = run_loop(iface, &mut att, &mut manager, &mut notify, metrics.as_ref()).await;
+    let looped = run_loop(
+        iface,
+        &mut att,
+        &mut manager,
+        &mut restart,
+        &mut notify,
+        metrics.as_ref(),
+    )
+    .await;
     notify.stopping(&format!("{iface}: stopping; the fast path stays attached"));
     if let Some(m) = &metrics {
         // Numbers from a loop that no longer runs would mislead: gone, as the loop is.
@@ -130,6 +143,7 @@ async fn run_loop(
     iface: &str,
     att: &mut Attached,
     manager: &mut Option<Manager>,
+    restart: &mut Option<(CmOptions, Backoff)>,
     notify: &mut Notifier,
     metrics: Option<&MetricsOut>,
 ) -> Result<bool, DaemonError> {
@@ -164,17 +178,161 @@ async fn run_loop(
             input = next_input(manager) => {
                 let Some(m) = manager.as_mut() else { continue };
                 if let Err(e) = m.handle(input) {
-                    // As when connected mode cannot start: the loop goes on, every peer UD.
-                    tracing::error!("connected mode on {iface} stopped on an error: {e}");
-                    notify.status(&format!(
-                        "{iface}: connected mode stopped on an error, every peer on UD: {e}"
-                    ));
-                    if let Some(m) = manager.take() {
-                        let _ = m.shutdown().await;
-                    }
+                    cm_stopped(iface, e, manager, restart.as_mut().map(|r| &mut r.1), notify)
+                        .await;
+                }
+            }
+            _ = restart_due(restart.as_ref().map(|(_, b)| b)), if manager.is_none() => {
+                if let Some((options, backoff)) = restart.as_mut() {
+                    *manager = restart_cm(iface, options, backoff, notify).await;
                 }
             }
         }
+    }
+}
+
+/// Connected mode stopped on `e`: as when it cannot start, the loop goes on with every peer
+/// UD; it starts again after the backoff's wait.
+async fn cm_stopped(
+    iface: &str,
+    e: CmError,
+    manager: &mut Option<Manager>,
+    backoff: Option<&mut Backoff>,
+    notify: &mut Notifier,
+) {
+    tracing::error!("connected mode on {iface} stopped on an error: {e}");
+    notify.status(&format!(
+        "{iface}: connected mode stopped on an error, every peer on UD: {e}"
+    ));
+    if let Some(m) = manager.take() {
+        let remains = m.remains();
+        let _ = m.shutdown().await;
+        if let Some(backoff) = backoff {
+            let wait = backoff.stopped(std::time::Instant::now());
+            backoff.remains = Some(remains);
+            tracing::info!("connected mode on {iface} starts again in {wait:?}");
+        }
+    }
+}
+
+/// Starts connected mode again; None (and the next try set) when it does not start.
+async fn restart_cm(
+    iface: &str,
+    options: &CmOptions,
+    backoff: &mut Backoff,
+    notify: &mut Notifier,
+) -> Option<Manager> {
+    if let Some(r) = backoff.remains.take_if(|r| !r.gone()) {
+        backoff.remains = Some(r);
+        if backoff.postpone(std::time::Instant::now()) {
+            tracing::warn!(
+                "connected mode on {iface} waits for the last one's tasks to end ({:?} so \
+                 far)",
+                Backoff::LINGER_WARN
+            );
+        }
+        return None;
+    }
+    match Manager::start(iface, &attach::pin_dir(iface), options.clone()).await {
+        Ok(m) => {
+            backoff.started(std::time::Instant::now());
+            tracing::info!("connected mode on {iface} runs again");
+            notify.status(&format!("{iface}: connected mode up again"));
+            Some(m)
+        }
+        Err(e) => {
+            let wait = backoff.stopped(std::time::Instant::now());
+            tracing::warn!(
+                "connected mode on {iface} did not start again: {e}; next try in {wait:?}"
+            );
+            None
+        }
+    }
+}
+
+/// When connected mode starts again after it stopped on an error: [`Backoff::FIRST`] after
+/// a stop, twice as long after each stop or failed start that came within
+/// [`Backoff::STEADY`] of the last start, at most [`Backoff::MOST`]. A stop is worth a
+/// restart (a QP, CQ or TUN error on a node that ran connected mode; the engine's panic), a
+/// loop of them is not worth a busy node.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    wait: Duration,
+    /// Since when connected mode runs; None while it does not.
+    running_since: Option<std::time::Instant>,
+    due: Option<std::time::Instant>,
+    /// What the connected mode that stopped leaves behind: the next starts once it is gone.
+    pub remains: Option<Remains>,
+    /// Since when a due start waits for those remains, and whether that was said.
+    lingering_since: Option<std::time::Instant>,
+    warned: bool,
+}
+
+impl Backoff {
+    pub const FIRST: Duration = Duration::from_secs(5);
+    pub const MOST: Duration = Duration::from_secs(300);
+    pub const STEADY: Duration = Duration::from_secs(600);
+    /// How often a due start looks again whether the last one's remains are gone.
+    pub const LINGER: Duration = Duration::from_millis(500);
+    pub const LINGER_WARN: Duration = Duration::from_secs(30);
+
+    /// Connected mode started at `now`.
+    pub fn new(now: std::time::Instant) -> Self {
+        Self {
+            wait: Duration::ZERO,
+            running_since: Some(now),
+            due: None,
+            remains: None,
+            lingering_since: None,
+            warned: false,
+        }
+    }
+
+    /// The start due at `now` waits [`Backoff::LINGER`] more: what the last connected mode
+    /// left is not gone. True once, when the waiting has gone on for
+    /// [`Backoff::LINGER_WARN`] (a task that never ends keeps connected mode off).
+    pub fn postpone(&mut self, now: std::time::Instant) -> bool {
+        let since = *self.lingering_since.get_or_insert(now);
+        self.due = Some(now + Self::LINGER);
+        let long = now.duration_since(since) >= Self::LINGER_WARN;
+        long && !std::mem::replace(&mut self.warned, true)
+    }
+
+    pub fn started(&mut self, now: std::time::Instant) {
+        self.running_since = Some(now);
+        self.due = None;
+        self.lingering_since = None;
+        self.warned = false;
+    }
+
+    /// Connected mode stopped, or did not start, at `now`: how long until the next start.
+    pub fn stopped(&mut self, now: std::time::Instant) -> Duration {
+        let steady = self
+            .running_since
+            .take()
+            .is_some_and(|t| now.duration_since(t) >= Self::STEADY);
+        self.wait = if self.wait.is_zero() || steady {
+            Self::FIRST
+        } else {
+            (self.wait * 2).min(Self::MOST)
+        };
+        self.due = Some(now + self.wait);
+        self.lingering_since = None;
+        self.warned = false;
+        self.wait
+    }
+
+    /// When connected mode should start again; None while it runs.
+    pub fn due(&self) -> Option<std::time::Instant> {
+        self.due
+    }
+}
+
+/// Resolves when a restart of connected mode is due; never without one.
+async fn restart_due(backoff: Option<&Backoff>) {
+    match backoff.and_then(Backoff::due) {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -298,4 +456,72 @@ fn finish(iface: &str, detached: bool) -> Result<(), DaemonError> {
          heartbeat is stale (`ipoib-ctl detach {iface}` removes it)"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_restart_waits_longer_after_each_quick_stop_and_short_again_after_a_steady_run() {
+        let t0 = Instant::now();
+        let mut b = Backoff::new(t0);
+        assert_eq!(b.due(), None, "nothing due while it runs");
+        // Stopped after a minute: the first wait.
+        let t = t0 + 60 * S;
+        assert_eq!(b.stopped(t), Backoff::FIRST);
+        assert_eq!(b.due(), Some(t + Backoff::FIRST));
+        // The start fails: twice as long, and twice again.
+        let t = t + Backoff::FIRST;
+        assert_eq!(b.stopped(t), 2 * Backoff::FIRST);
+        let t = t + 2 * Backoff::FIRST;
+        assert_eq!(b.stopped(t), 4 * Backoff::FIRST);
+        // It starts, and stops again soon: the wait goes on growing, up to the most.
+        let t = t + 4 * Backoff::FIRST;
+        b.started(t);
+        assert_eq!(b.due(), None);
+        assert_eq!(b.stopped(t + S), 8 * Backoff::FIRST);
+        for _ in 0..10 {
+            b.stopped(t + S);
+        }
+        assert_eq!(b.stopped(t + S), Backoff::MOST);
+        // Failed starts long after the last run do not count as a steady run.
+        assert_eq!(b.stopped(t + 2 * Backoff::STEADY), Backoff::MOST);
+        // A run as long as STEADY: the next stop waits the first wait again.
+        let t = t + 3 * Backoff::STEADY;
+        b.started(t);
+        assert_eq!(b.stopped(t + Backoff::STEADY), Backoff::FIRST);
+        assert_eq!(b.due(), Some(t + Backoff::STEADY + Backoff::FIRST));
+    }
+
+    #[test]
+    fn a_start_waits_for_the_last_ones_remains_and_says_so_once_when_long() {
+        let t0 = Instant::now();
+        let mut b = Backoff::new(t0);
+        let t = t0 + S;
+        b.stopped(t);
+        let due = t + Backoff::FIRST;
+        assert!(!b.postpone(due));
+        assert_eq!(b.due(), Some(due + Backoff::LINGER));
+        let mut said = 0;
+        let mut now = due;
+        while now < due + 2 * Backoff::LINGER_WARN {
+            now += Backoff::LINGER;
+            said += usize::from(b.postpone(now));
+            assert_eq!(b.due(), Some(now + Backoff::LINGER));
+            if now < due + Backoff::LINGER_WARN {
+                assert_eq!(said, 0, "said after {:?}", now - due);
+            }
+        }
+        assert_eq!(said, 1);
+        // Started at last, and stopped again: a new wait is said anew.
+        b.started(now);
+        b.stopped(now + S);
+        let due = b.due().unwrap();
+        assert!(!b.postpone(due));
+        assert!(b.postpone(due + Backoff::LINGER_WARN));
+    }
 }

@@ -2201,7 +2201,8 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
 /// flow goes UD, and goes on intact. What catches each: a task that ended stops connected
 /// mode at once (peers UD in the map); a loop that stopped turning withholds the heartbeat
 /// (the fail-safe then sends every packet UD, and an engine that turns again gets it back); a
-/// blocked thread stops the heartbeat itself.
+/// blocked thread stops the heartbeat itself. Connected mode stopped by the panic starts
+/// again after its backoff, and the flow returns to CM.
 fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
     let test = format!("a_wedged_engine_goes_ud_{fault}");
     let Some((dev, baseline, mut lab)) = rdma_lab(&test, tag, 2) else {
@@ -2263,6 +2264,15 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
     );
     let fell = a.peer(&b_ip).unwrap().expect("A knows B");
     goes_on_over_ud(&a, &b_ip, &fell);
+    if fault == "panic" {
+        // The restart comes 5 s after the stop, then the policy promotes B again.
+        returns_to_cm(&a, &b, Duration::from_secs(40), "connected mode's restart");
+        let log = ctl_log(&a);
+        assert!(
+            log.contains("connected mode on") && log.contains("runs again"),
+            "A's log does not tell of the restart:\n{log}"
+        );
+    }
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact", sent >> 20);
     watchdog_follows_the_engine(&sock, fault, t, period);
@@ -2272,7 +2282,8 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
 
 /// systemd's watchdog (WATCHDOG=1 with the heartbeat) came while the engine turned, and
 /// stopped once a stalled or hung engine withheld the heartbeat (systemd would restart the
-/// unit); a panicked engine took connected mode down, the loop goes on UD and says so.
+/// unit); a panicked engine took connected mode down, the loop went on UD, said so, and
+/// said when connected mode was up again, beating all along.
 fn watchdog_follows_the_engine(
     sock: &ipoib_tests::notify::NotifySocket,
     fault: &str,
@@ -2307,13 +2318,20 @@ fn watchdog_follows_the_engine(
             );
         }
         _ => {
-            let gap = sock.longest_gap("WATCHDOG=1", now - 3 * period, now);
+            // Through the stop, the UD-only time and the restart of connected mode.
+            let gap = sock.longest_gap("WATCHDOG=1", faulted, now);
             assert!(
                 gap < period,
-                "the UD-only loop stopped its watchdog: {gap:?}"
+                "the loop stopped its watchdog after the panic: {gap:?}"
             );
             assert!(
                 statuses.iter().any(|s| s.contains("every peer on UD")),
+                "{statuses:?}"
+            );
+            assert!(
+                statuses
+                    .iter()
+                    .any(|s| s.contains("connected mode up again")),
                 "{statuses:?}"
             );
         }
