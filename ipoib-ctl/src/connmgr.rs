@@ -90,6 +90,8 @@ pub enum CmError {
     Netdev(#[from] NetdevError),
     #[error("the engine stopped: {0}")]
     EngineStopped(String),
+    #[error("the handshake listener stopped: {0}")]
+    ListenerStopped(String),
 }
 
 /// What `attach` passes in.
@@ -553,6 +555,8 @@ pub enum Input {
     Outcome(Outcome),
     /// The engine's task ended (it panicked, or returned an error): why.
     EngineStopped(String),
+    /// The handshake listener's task ended (its listener failed): why.
+    ListenerStopped(String),
 }
 
 /// How long the engine's loop may show no life (its housekeeping runs every
@@ -580,7 +584,7 @@ fn delayed_interval(period: Duration) -> tokio::time::Interval {
     i
 }
 
-/// The engine task's end; never, once it was taken.
+/// A task's end (the engine's, the listener's); never, once it was taken.
 async fn engine_end<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
     match task {
         Some(t) => t.await,
@@ -618,8 +622,8 @@ pub struct Manager {
     /// This interface's share of the node's budget.
     ledger: Arc<Ledger>,
     cm: Arc<Cm>,
-    /// The handshake listener's task.
-    serve: JoinHandle<io::Result<()>>,
+    /// The handshake listener's task; None once it ended.
+    serve: Option<JoinHandle<io::Result<()>>>,
     engine: EngineTask,
     engine_events: mpsc::UnboundedReceiver<EngineEvent>,
     accepted: mpsc::UnboundedReceiver<(SocketAddr, Result<Connection, SetupError>)>,
@@ -696,7 +700,7 @@ impl Manager {
         let cm = Arc::new(Cm::new(hca.res.clone(), opts.ud_qpn, setup));
         let core = new_core(iface, &opts, &hca, &cm);
         let (acc_tx, accepted) = mpsc::unbounded_channel();
-        let serve = tokio::spawn(cm.clone().serve(listener, acc_tx));
+        let serve = Some(tokio::spawn(cm.clone().serve(listener, acc_tx)));
         let tun_name = engine.tun_name().to_string();
         let (engine, engine_events) = spawn_engine(engine);
         let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
@@ -779,6 +783,11 @@ impl Manager {
                 Ok((_, Err(e))) => e.to_string(),
                 Err(e) => e.to_string(),
             }),
+            end = engine_end(&mut self.serve) => Input::ListenerStopped(match end {
+                Ok(Ok(())) => "it returned".into(),
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => e.to_string(),
+            }),
         }
     }
 
@@ -815,6 +824,12 @@ impl Manager {
                 self.engine.task = None;
                 return Err(CmError::EngineStopped(why));
             }
+            // No peer could set a connection up to us any more: stopped (and started again
+            // by the control loop), not left deaf.
+            Input::ListenerStopped(why) => {
+                self.serve = None;
+                return Err(CmError::ListenerStopped(why));
+            }
         }
         self.execute()
     }
@@ -844,13 +859,21 @@ impl Manager {
         Ok(())
     }
 
-    /// Tests only: a fault written into `RUN_DIR/IFACE.fault` goes to the engine.
+    /// Tests only: a fault written into `RUN_DIR/IFACE.fault` goes to the engine, or, for
+    /// `listener`, ends the handshake listener's task.
     fn take_test_fault(&self) {
         let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{}.fault", self.iface));
         let Ok(text) = std::fs::read_to_string(&path) else {
             return;
         };
         let _ = std::fs::remove_file(&path);
+        if text.trim() == "listener" {
+            // The handshake listener's task dies (as on a failure of the listener itself).
+            if let Some(serve) = &self.serve {
+                serve.abort();
+            }
+            return;
+        }
         match text.parse::<Fault>() {
             Ok(f) => self.engine.control.fault(f),
             Err(e) => tracing::warn!("{}: {e}", path.display()),
@@ -1122,7 +1145,9 @@ impl Manager {
     /// Stops connected mode: every peer UD first, then the connections, then the engine and
     /// the TUN device; the interface's gso_max_size is restored.
     pub async fn shutdown(mut self) -> Result<(), CmError> {
-        self.serve.abort();
+        if let Some(serve) = &self.serve {
+            serve.abort();
+        }
         self.core.handle_shutdown();
         self.execute()?;
         // Let the engine drop the routes and the watchers close their QPs.

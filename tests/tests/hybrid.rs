@@ -2280,6 +2280,41 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
     settle(&dev, &baseline, COUNTED);
 }
 
+/// B's handshake listener dies under a flow from A (`attach --test-faults`, `listener`):
+/// no peer could set a connection up to B any more, so B's connected mode stops on it (the
+/// flow goes UD) and starts again after its backoff with a new listener; A connects again
+/// and the flow returns to CM.
+#[test]
+fn a_node_whose_handshake_listener_dies_starts_connected_mode_again() {
+    let test = "a_node_whose_handshake_listener_dies_starts_connected_mode_again";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hld", 2) else {
+        return;
+    };
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev, "--test-faults"])
+        .unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5334);
+    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .expect("promoted");
+    std::fs::write(format!("/run/ipoib-ctl/{}.fault", b.iface), "listener").unwrap();
+    let stopped = wait_until(Duration::from_secs(10), || {
+        ctl_log(&b).contains("the handshake listener stopped")
+    });
+    assert!(
+        stopped,
+        "B's connected mode did not stop on its listener's end:\n{}",
+        ctl_log(&b)
+    );
+    returns_to_cm(&a, &b, Duration::from_secs(40), "B's restart");
+    assert!(ctl_log(&b).contains("runs again"), "{}", ctl_log(&b));
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
 /// systemd's watchdog (WATCHDOG=1 with the heartbeat) came while the engine turned, and
 /// stopped once a stalled or hung engine withheld the heartbeat (systemd would restart the
 /// unit); a panicked engine took connected mode down, the loop went on UD, said so, and

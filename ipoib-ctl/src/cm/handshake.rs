@@ -622,9 +622,11 @@ impl Cm {
         })
     }
 
-    /// Accepts on `listener` until it fails or `tx` is closed: each stream waits for its REQ
-    /// in its own task, at most [`SetupConfig::max_awaiting_req`] of them (past it the oldest
-    /// is dropped); a REQ goes on in a task of its own, and every outcome goes to `tx`.
+    /// Accepts on `listener` until `tx` is closed or the listener itself fails (an error of
+    /// one connection, or the process out of descriptors or memory for a moment, is not the
+    /// listener's: see [`accept_failure`]): each stream waits for its REQ in its own task, at
+    /// most [`SetupConfig::max_awaiting_req`] of them (past it the oldest is dropped); a REQ
+    /// goes on in a task of its own, and every outcome goes to `tx`.
     pub async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
@@ -634,7 +636,7 @@ impl Cm {
         // as streams come).
         let mut awaiting: VecDeque<AbortHandle> = VecDeque::new();
         loop {
-            let (s, addr) = listener.accept().await?;
+            let (s, addr) = accept(&listener).await?;
             if tx.is_closed() {
                 return Ok(());
             }
@@ -676,11 +678,97 @@ impl Cm {
     }
 }
 
+/// The next stream `listener` takes; an error only when the listener itself failed (see
+/// [`accept_failure`]).
+async fn accept(listener: &TcpListener) -> io::Result<(TcpStream, SocketAddr)> {
+    let mut short = false;
+    loop {
+        match listener.accept().await {
+            Ok(a) => return Ok(a),
+            Err(e) => match accept_failure(&e) {
+                AcceptFailure::Connection => {
+                    tracing::debug!("a handshake stream failed before its accept: {e}");
+                }
+                AcceptFailure::Short => {
+                    if !std::mem::replace(&mut short, true) {
+                        tracing::warn!("accepting handshake streams: {e}; trying again");
+                    }
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
+                AcceptFailure::Listener => return Err(e),
+            },
+        }
+    }
+}
+
+/// How long the listener pauses when the process is short of descriptors or memory.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Whose failure an error of `accept` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcceptFailure {
+    /// The connection's, gone before it was taken (accept(2): Linux passes a pending network
+    /// error of the new socket to accept; the advice is to retry): the next is taken at once.
+    Connection,
+    /// The process's, for a moment: no descriptor or memory left. Taken again after a pause.
+    Short,
+    /// The listener's own (not a socket, invalid): nothing more will come from it.
+    Listener,
+}
+
+/// Classifies an error of `accept` (see [`AcceptFailure`]).
+pub fn accept_failure(e: &io::Error) -> AcceptFailure {
+    match e.raw_os_error() {
+        Some(
+            libc::ECONNABORTED
+            | libc::ECONNRESET
+            | libc::EPROTO
+            | libc::EPERM
+            | libc::EINTR
+            | libc::ENETDOWN
+            | libc::ENOPROTOOPT
+            | libc::EHOSTDOWN
+            | libc::ENONET
+            | libc::EHOSTUNREACH
+            | libc::EOPNOTSUPP
+            | libc::ENETUNREACH
+            | libc::ETIMEDOUT,
+        ) => AcceptFailure::Connection,
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptFailure::Short,
+        _ if e.kind() == io::ErrorKind::WouldBlock => AcceptFailure::Connection,
+        _ => AcceptFailure::Listener,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+
+    #[test]
+    fn an_accept_error_is_the_connections_the_processs_or_the_listeners() {
+        let os = io::Error::from_raw_os_error;
+        for e in [
+            libc::ECONNABORTED,
+            libc::EPROTO,
+            libc::EHOSTUNREACH,
+            libc::ENETUNREACH,
+            libc::ETIMEDOUT,
+        ] {
+            assert_eq!(accept_failure(&os(e)), AcceptFailure::Connection, "{e}");
+        }
+        for e in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert_eq!(accept_failure(&os(e)), AcceptFailure::Short, "{e}");
+        }
+        for e in [libc::EBADF, libc::EINVAL, libc::ENOTSOCK] {
+            assert_eq!(accept_failure(&os(e)), AcceptFailure::Listener, "{e}");
+        }
+        assert_eq!(
+            accept_failure(&io::ErrorKind::WouldBlock.into()),
+            AcceptFailure::Connection
+        );
+    }
 
     /// A watch of 1 s turns with a deadline of 3 s, from t = 0.
     fn hearing() -> Hearing {
