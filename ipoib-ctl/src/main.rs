@@ -198,7 +198,8 @@ struct CmArgs {
     #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = parse_secs)]
     cm_min_hold: f64,
     /// Tests only: break the engine on request (`panic`, `stall`, `hang` or `pause MS` written into
-    /// /run/ipoib-ctl/IFACE.fault), to prove the control loop catches it.
+    /// /run/ipoib-ctl/IFACE.fault), or end the handshake listener's task (`listener`), to prove
+    /// the control loop catches it.
     #[arg(long, hide = true)]
     test_faults: bool,
 }
