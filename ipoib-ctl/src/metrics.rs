@@ -105,6 +105,13 @@ pub fn render(s: &Status, per_peer: bool) -> String {
     if let Some(cm) = &s.cm {
         gauges.extend(cm_gauges(cm));
         cm_counters(&mut reg, &iface, cm);
+        let g: FloatGauges = family(
+            &mut reg,
+            "cm_tick_late_max_seconds",
+            "The latest the control loop's tick ran after its time since connected mode started",
+        );
+        g.get_or_create(&iface)
+            .set(cm.tick_late_max_ms as f64 / 1e3);
     }
     for (name, help, v) in gauges {
         let g: Gauges = family(&mut reg, name, help);
@@ -277,6 +284,7 @@ mod tests {
             c["established"] = 4.into();
             c["failed"] = 2.into();
             c["srq_low_events"] = 1.into();
+            c["tick_late_max_ms"] = 125.into();
             c["receive"]["registered_bytes"] = 4194304.into();
             c["receive"]["budget_bytes"] = 16777216.into();
             c["receive"]["rings"] = 1.into();
@@ -322,6 +330,7 @@ mod tests {
             ),
             (r#"ipoib_cm_receive_budget_bytes{iface="ib0"}"#, 16777216.0),
             (r#"ipoib_cm_receive_rings{iface="ib0"}"#, 1.0),
+            (r#"ipoib_cm_tick_late_max_seconds{iface="ib0"}"#, 0.125),
             (r#"ipoib_cm_setups_established_total{iface="ib0"}"#, 4.0),
             (r#"ipoib_cm_setups_failed_total{iface="ib0"}"#, 2.0),
             (r#"ipoib_cm_srq_low_events_total{iface="ib0"}"#, 1.0),
