@@ -577,13 +577,6 @@ struct EngineTask {
     task: Option<JoinHandle<(Engine, Result<(), EngineError>)>>,
 }
 
-/// An interval whose missed ticks are delayed, not bunched.
-fn delayed_interval(period: Duration) -> tokio::time::Interval {
-    let mut i = tokio::time::interval(period);
-    i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    i
-}
-
 /// A task's end (the engine's, the listener's); never, once it was taken.
 async fn engine_end<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
     match task {
@@ -704,7 +697,7 @@ impl Manager {
         let tun_name = engine.tun_name().to_string();
         let (engine, engine_events) = spawn_engine(engine);
         let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
-        let tick = delayed_interval(opts.tick);
+        let tick = crate::clock::delayed_interval(opts.tick);
         let m = Self {
             device_events,
             iface: iface.to_string(),

@@ -10,7 +10,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
     attach::{self, AttachError, Attached},
-    clock::monotonic_ns,
+    clock::{delayed_interval, monotonic_ns},
     connmgr::{CmError, CmOptions, Manager, Remains},
     maps::MapsError,
     service::Notifier,
@@ -149,11 +149,9 @@ async fn run_loop(
 ) -> Result<bool, DaemonError> {
     let mut int = signal(SignalKind::interrupt())?;
     let mut term = signal(SignalKind::terminate())?;
-    let mut metrics_tick = tokio::time::interval(METRICS_EVERY);
-    metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut metrics_tick = delayed_interval(METRICS_EVERY);
     let mut metrics_failed = false;
-    let mut slots_tick = tokio::time::interval(SLOTS_EVERY);
-    slots_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut slots_tick = delayed_interval(SLOTS_EVERY);
     let mut slots_short = false;
     let beat = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(beat);

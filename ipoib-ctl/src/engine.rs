@@ -556,8 +556,7 @@ impl Engine {
         // Completions left for the next turn (the last turn took its share and stopped).
         let mut more = self.core.completions(&self.tun)?;
         tokio::pin!(stop);
-        let mut housekeeping = tokio::time::interval(HOUSEKEEPING);
-        housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut housekeeping = crate::clock::delayed_interval(HOUSEKEEPING);
         loop {
             let can_send = !self.core.free.is_empty();
             tokio::select! {

@@ -46,7 +46,7 @@ use super::wire::{
     Hello, HwAddr, Kind, MSG_LEN, Msg, RejectReason, WireError, accepts_crossing, connection_mtu,
 };
 use crate::{
-    clock::monotonic_ns,
+    clock::{delayed_interval, monotonic_ns},
     verbs::{RcQueuePair, RcTiming, Resources, VerbsError},
 };
 
@@ -215,8 +215,7 @@ impl Connection {
         dead_after: Duration,
         traffic: &AtomicU64,
     ) -> Gone {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = delayed_interval(every);
         let mut hearing = Hearing::new(monotonic_ns(), every, dead_after);
         let mut b = [0u8; 64];
         loop {
