@@ -577,11 +577,20 @@ struct EngineTask {
     task: Option<JoinHandle<(Engine, Result<(), EngineError>)>>,
 }
 
-/// A task's end (the engine's, the listener's); never, once it was taken.
-async fn engine_end<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
-    match task {
-        Some(t) => t.await,
-        None => std::future::pending().await,
+/// Why a task ended (the engine's, the listener's: `result` takes its outcome from what it
+/// returned): it returned, returned an error, panicked or was aborted. Never, once it was
+/// taken.
+async fn task_end<T, E: std::fmt::Display>(
+    task: &mut Option<JoinHandle<T>>,
+    result: impl FnOnce(T) -> Result<(), E>,
+) -> String {
+    let Some(t) = task else {
+        return std::future::pending().await;
+    };
+    match t.await.map(result) {
+        Ok(Ok(())) => "it returned".into(),
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
     }
 }
 
@@ -771,16 +780,8 @@ impl Manager {
             }
             Some((a, r)) = self.accepted.recv() => Input::Accepted(a, r),
             Some(o) = self.outcomes.recv() => Input::Outcome(o),
-            end = engine_end(&mut self.engine.task) => Input::EngineStopped(match end {
-                Ok((_, Ok(()))) => "it returned".into(),
-                Ok((_, Err(e))) => e.to_string(),
-                Err(e) => e.to_string(),
-            }),
-            end = engine_end(&mut self.serve) => Input::ListenerStopped(match end {
-                Ok(Ok(())) => "it returned".into(),
-                Ok(Err(e)) => e.to_string(),
-                Err(e) => e.to_string(),
-            }),
+            why = task_end(&mut self.engine.task, |(_, r)| r) => Input::EngineStopped(why),
+            why = task_end(&mut self.serve, |r| r) => Input::ListenerStopped(why),
         }
     }
 
