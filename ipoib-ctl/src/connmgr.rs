@@ -45,7 +45,7 @@ use crate::{
     netdev::{self, NetdevError, Resolve},
     plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
     policy::Mode,
-    promotion::{Config as PromotionConfig, Failure, Promoter},
+    promotion::{Config as PromotionConfig, Failure, Promoter, UdPath},
     rtnl::{self, AddressMirror, Rtnl},
     tun::{Tun, TunError},
     verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
@@ -199,6 +199,10 @@ pub struct CmStatus {
     pub srq_low_events: u64,
     pub max_connections: usize,
     pub mode: String,
+    /// How the interface's UD path segments: `per-packet` (mode auto promotes busy peers) or
+    /// `offloaded` (TSO: it promotes none by rate); see [`UdPath`].
+    #[serde(default)]
+    pub ud_path: String,
     pub connections: usize,
     pub established: u64,
     pub failed: u64,
@@ -762,6 +766,22 @@ impl Manager {
             self.core.max_connections(),
             self.opts.ctl_port
         );
+        tracing::info!(
+            "{}: the UD path is {}: {}",
+            self.iface,
+            self.core.ud_path(),
+            match self.core.ud_path() {
+                UdPath::PerPacket => format!(
+                    "no segmentation offload, mode auto gives CM to peers sending over {:.0} \
+                     MiB/s in bulk",
+                    self.opts.promotion.promote_rate / f64::from(1 << 20)
+                ),
+                UdPath::Offloaded => "the device segments (TSO), so CM would cost more CPU and \
+                     move no more: mode auto promotes no peer by its rate (mode=connected or a \
+                     pin gives CM)"
+                    .to_string(),
+            }
+        );
     }
 
     /// The next thing to handle. Cancel-safe: every branch is a channel receive, a tick or a
@@ -838,6 +858,7 @@ impl Manager {
         let peers = self.maps.peers().unwrap_or_default();
         let input = TickInput {
             mode: self.maps.policy().ok().and_then(|p| Mode::from_raw(p.mode)),
+            ud_path: self.ud_path(),
             max_connections: cap(
                 &self.iface,
                 self.plan_max,
@@ -872,6 +893,16 @@ impl Manager {
             Ok(f) => self.engine.control.fault(f),
             Err(e) => tracing::warn!("{}: {e}", path.display()),
         }
+    }
+
+    /// How the interface's UD path segments, asked each tick (an operator may turn TSO on or
+    /// off at any time); None when the kernel does not answer (any interface answers
+    /// ETHTOOL_GTSO: only a vanished one, which the link watch handles, would not).
+    fn ud_path(&self) -> Option<UdPath> {
+        netdev::tso_on(&self.iface)
+            .inspect_err(|e| tracing::debug!("{e}: the UD path is taken to be as it was"))
+            .ok()
+            .map(UdPath::of_tso)
     }
 
     fn traffic(&self, peers: &[(PeerKey, PeerEntry)]) -> Vec<(IpAddr, Traffic)> {
@@ -1116,6 +1147,7 @@ impl Manager {
             srq_low_events: self.core.srq_low_events(),
             max_connections: self.core.max_connections(),
             mode: self.core.mode().to_string(),
+            ud_path: self.core.ud_path().to_string(),
             connections: self.core.connections(),
             established: get(&self.cm.stats.established),
             failed: get(&self.cm.stats.failed),
@@ -1186,7 +1218,12 @@ fn new_core(iface: &str, opts: &CmOptions, hca: &Hca, cm: &Cm) -> Core {
     let mut promo = opts.promotion.clone();
     let ring_bytes = hca.res.recv.rings().map(|p| p.ring_bytes());
     promo.max_connections = cap(iface, hca.max_connections(), ring_bytes);
-    let mut core = Core::new(Promoter::new(promo, Mode::Auto), hca.srq_depth());
+    let mut promoter = Promoter::new(promo, Mode::Auto);
+    match netdev::tso_on(iface) {
+        Ok(tso) => promoter.set_ud_path(UdPath::of_tso(tso)),
+        Err(e) => tracing::warn!("{e}: the UD path is taken to build every datagram"),
+    }
+    let mut core = Core::new(promoter, hca.srq_depth());
     while let Some(c) = core.next_command() {
         if let Command::SetSetupLimit(n) = c {
             cm.set_limit(n);

@@ -168,9 +168,15 @@ fn peer_metrics(reg: &mut Registry, s: &Status) {
 }
 
 /// Connected mode's levels: connections against the plan, receive memory against the budget.
-fn cm_gauges(cm: &CmStatus) -> [(&'static str, &'static str, u64); 5] {
+fn cm_gauges(cm: &CmStatus) -> [(&'static str, &'static str, u64); 6] {
     [
         ("cm_connections", "RC connections up", cm.connections as u64),
+        (
+            "ud_segmentation_offloaded",
+            "1 when the interface segments in the device (TSO): mode auto then promotes no \
+             peer by its rate",
+            u64::from(cm.ud_path == "offloaded"),
+        ),
         (
             "cm_max_connections",
             "RC connections the memory plan and the policy allow",
@@ -285,6 +291,7 @@ mod tests {
             c["failed"] = 2.into();
             c["srq_low_events"] = 1.into();
             c["tick_late_max_ms"] = 125.into();
+            c["ud_path"] = "offloaded".into();
             c["receive"]["registered_bytes"] = 4194304.into();
             c["receive"]["budget_bytes"] = 16777216.into();
             c["receive"]["rings"] = 1.into();
@@ -331,6 +338,7 @@ mod tests {
             (r#"ipoib_cm_receive_budget_bytes{iface="ib0"}"#, 16777216.0),
             (r#"ipoib_cm_receive_rings{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_tick_late_max_seconds{iface="ib0"}"#, 0.125),
+            (r#"ipoib_ud_segmentation_offloaded{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_setups_established_total{iface="ib0"}"#, 4.0),
             (r#"ipoib_cm_setups_failed_total{iface="ib0"}"#, 2.0),
             (r#"ipoib_cm_srq_low_events_total{iface="ib0"}"#, 1.0),

@@ -15,8 +15,10 @@
 //!    a connection that lived `min_hold` clears the count.
 //! 3. **Promote** the peers worth it, best first, while the plan has room and the setup rate
 //!    allows (a token bucket, `setups_per_sec` with a burst of `setup_burst`): pinned-CM peers
-//!    first; then, in mode `auto`, peers whose bulk transmit rate (bytes/s of packets averaging
-//!    at least `min_mean_packet` bytes, smoothed) reaches `promote_rate`; in mode `connected`,
+//!    first; then, in mode `auto` on a UD path that builds every datagram in the CPU
+//!    ([`UdPath::PerPacket`]), peers whose bulk transmit rate (bytes/s of packets averaging
+//!    at least `min_mean_packet` bytes, smoothed) reaches `promote_rate` (on a UD path that
+//!    segments in the HCA, [`UdPath::Offloaded`], none: see there); in mode `connected`,
 //!    every peer that sent anything within `idle_after`. A peer demoted by us waits
 //!    `min_hold` before it can be promoted again (no flapping).
 //! 4. **Make room** when the plan is full: the least recently active connection is evicted
@@ -156,10 +158,49 @@ pub enum State {
     },
 }
 
+/// How the interface's UD path carries bulk traffic, which decides whether mode `auto` moves
+/// a busy peer to CM. From `bench hop` (README), TCP on one host's kernel:
+/// - per packet (datagram mode with no segmentation offload, 2044 bytes): the engine's hop
+///   moved 1.9x the bytes per second at 0.78x the CPU per byte: CM pays for a busy peer;
+/// - segmented by the device (TSO: Enhanced IPoIB on mlx5, or datagram mode on an HCA with UD
+///   LSO), whose stand-in (4092 bytes, software GSO, GRO) the hop matched at best in bytes per
+///   second (0.8-1.0x) at 1.2-1.6x its CPU per byte: CM costs the host more and moves no more,
+///   so no rate makes it worth a connection. Mode `connected` and a pin still give CM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UdPath {
+    /// The CPU builds every datagram (no segmentation offload).
+    #[default]
+    PerPacket,
+    /// The device segments (TSO on the interface).
+    Offloaded,
+}
+
+impl UdPath {
+    /// From whether the interface has segmentation offload (TSO) on.
+    pub fn of_tso(tso: bool) -> Self {
+        if tso {
+            Self::Offloaded
+        } else {
+            Self::PerPacket
+        }
+    }
+}
+
+impl fmt::Display for UdPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::PerPacket => "per-packet",
+            Self::Offloaded => "offloaded",
+        })
+    }
+}
+
 /// Why a peer on UD is there (for status).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum UdWhy {
     BelowThreshold,
+    /// Mode `auto` on a UD path that segments in the device: CM would not pay.
+    UdOffloaded,
     ModeDatagram,
     Pinned,
     Hold,
@@ -233,6 +274,9 @@ impl fmt::Display for Explain {
             State::Ud { .. } => {
                 let why = match self.why.unwrap_or(UdWhy::BelowThreshold) {
                     UdWhy::BelowThreshold => "traffic below the CM threshold",
+                    UdWhy::UdOffloaded => {
+                        "UD segments in the device here (CM only for mode=connected or a pin)"
+                    }
                     UdWhy::ModeDatagram => "mode=datagram",
                     UdWhy::Pinned => "pinned to UD",
                     UdWhy::Hold => "recently demoted (hold)",
@@ -275,6 +319,7 @@ struct Candidate<K> {
 pub struct Promoter<K> {
     cfg: Config,
     mode: Mode,
+    ud_path: UdPath,
     peers: BTreeMap<K, Peer>,
     tokens: f64,
     last_tick: Option<u64>,
@@ -290,6 +335,7 @@ impl<K: Ord + Clone> Promoter<K> {
             tokens: cfg.setup_burst,
             cfg,
             mode,
+            ud_path: UdPath::default(),
             peers: BTreeMap::new(),
             last_tick: None,
         }
@@ -306,6 +352,16 @@ impl<K: Ord + Clone> Promoter<K> {
     /// Takes effect at the next tick (mode `datagram` drains every connection).
     pub fn set_mode(&mut self, mode: Mode) {
         self.mode = mode;
+    }
+
+    pub fn ud_path(&self) -> UdPath {
+        self.ud_path
+    }
+
+    /// Takes effect at the next tick: promotions by rate in mode `auto` stop or start;
+    /// connections up stay until idle (the traffic they carry is not lost by keeping them).
+    pub fn set_ud_path(&mut self, ud_path: UdPath) {
+        self.ud_path = ud_path;
     }
 
     /// A new plan size. When it is below the connections held, the next tick closes the
@@ -531,6 +587,7 @@ impl<K: Ord + Clone> Promoter<K> {
     /// its reason.
     fn candidates(&mut self, now: u64) -> Vec<Candidate<K>> {
         let (cfg, mode) = (&self.cfg, self.mode);
+        let by_rate = self.ud_path == UdPath::PerPacket;
         let idle = ns(cfg.idle_after);
         let mut candidates = Vec::new();
         for (k, p) in self.peers.iter_mut() {
@@ -540,7 +597,7 @@ impl<K: Ord + Clone> Promoter<K> {
             let pinned = p.pin == Pin::Cm;
             let worth = pinned
                 || match mode {
-                    Mode::Auto => p.rate >= cfg.promote_rate,
+                    Mode::Auto => by_rate && p.rate >= cfg.promote_rate,
                     Mode::Connected => p.last_active.is_some_and(|t| now.saturating_sub(t) < idle),
                     Mode::Datagram => false,
                 };
@@ -548,6 +605,8 @@ impl<K: Ord + Clone> Promoter<K> {
                 UdWhy::ModeDatagram
             } else if matches!(p.pin, Pin::Ud | Pin::Block) {
                 UdWhy::Pinned
+            } else if !worth && mode == Mode::Auto && !by_rate {
+                UdWhy::UdOffloaded
             } else if !worth {
                 UdWhy::BelowThreshold
             } else if now < hold_until && !pinned {
@@ -741,6 +800,56 @@ mod tests {
         assert!(matches!(s.state(1), State::Up { .. }));
         // No second Connect while it is up.
         assert!(s.second(&[(1, 50 * MB, 65000, 50 * MB)]).is_empty());
+    }
+
+    #[test]
+    fn a_ud_path_that_segments_in_the_device_promotes_no_one_by_rate() {
+        let mut s = Sim::new(cfg(8), Mode::Auto);
+        s.p.set_ud_path(UdPath::Offloaded);
+        assert_eq!(s.p.ud_path(), UdPath::Offloaded);
+        s.p.set_pin(3, Pin::Cm);
+        let bulk = [(1, 50 * MB, 65000, 0), (2, 100, 100, 0), (3, 100, 100, 0)];
+        let mut acts = Vec::new();
+        for _ in 0..5 {
+            acts.extend(s.second(&bulk));
+        }
+        // The pinned peer still gets CM; the bulk sender stays UD, and so does the quiet
+        // one: on this path no rate is enough, so both give the path as the reason.
+        assert_eq!(acts, vec![Action::Connect(3)]);
+        let e1 = s.p.explain(&1).unwrap();
+        assert_eq!(e1.why, Some(UdWhy::UdOffloaded));
+        assert!(e1.rate > 40.0 * MB as f64, "{e1:?}");
+        assert!(e1.to_string().contains("segments in the device"), "{e1}");
+        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::UdOffloaded));
+        // The same bulk sender is promoted at the first tick once the path builds every
+        // datagram in the CPU (offload turned off): its rate was kept all along.
+        s.p.set_ud_path(UdPath::PerPacket);
+        assert_eq!(s.second(&bulk), vec![Action::Connect(1)]);
+        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::BelowThreshold));
+    }
+
+    #[test]
+    fn mode_connected_gives_cm_on_a_ud_path_that_segments_in_the_device() {
+        let mut s = Sim::new(cfg(8), Mode::Connected);
+        s.p.set_ud_path(UdPath::Offloaded);
+        s.second(&[(1, 50 * MB, 65000, 0)]);
+        assert_eq!(
+            s.second(&[(1, 50 * MB, 65000, 0)]),
+            vec![Action::Connect(1)]
+        );
+        // Mode datagram says so, whatever the path.
+        s.p.set_mode(Mode::Datagram);
+        s.second(&[(2, 50 * MB, 65000, 0)]);
+        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::ModeDatagram));
+    }
+
+    #[test]
+    fn the_ud_path_is_read_from_tso() {
+        assert_eq!(UdPath::of_tso(true), UdPath::Offloaded);
+        assert_eq!(UdPath::of_tso(false), UdPath::PerPacket);
+        assert_eq!(UdPath::default(), UdPath::PerPacket);
+        assert_eq!(UdPath::Offloaded.to_string(), "offloaded");
+        assert_eq!(UdPath::PerPacket.to_string(), "per-packet");
     }
 
     #[test]

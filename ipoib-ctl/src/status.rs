@@ -417,6 +417,12 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
          {} established / {} failed setups",
         cm.device, cm.tun, cm.connections, cm.established, cm.failed
     );
+    let ud_path = match cm.ud_path.as_str() {
+        "offloaded" => "the device segments (TSO): mode auto promotes no peer by its rate",
+        "per-packet" => "every datagram built by the CPU: mode auto promotes busy peers",
+        _ => "not reported",
+    };
+    let _ = writeln!(out, "    UD path: {ud_path}");
     let _ = writeln!(
         out,
         "    receive memory: {} registered of a {} budget",

@@ -22,7 +22,7 @@ use ipoib_common::PeerMode;
 pub use crate::cm::Gone;
 use crate::{
     policy::Mode,
-    promotion::{Action, Demotion, Failure, Pin, Promoter, Sample, State},
+    promotion::{Action, Demotion, Failure, Pin, Promoter, Sample, State, UdPath},
 };
 
 /// What the manager is to do, in the order given.
@@ -53,6 +53,8 @@ pub enum Command {
 pub struct TickInput {
     /// The policy's mode (None: unreadable, keep the last).
     pub mode: Option<Mode>,
+    /// How the interface's UD path segments (None: unreadable, keep the last).
+    pub ud_path: Option<UdPath>,
     /// The cap in force: the plan's, lowered by policy `max-connections`.
     pub max_connections: usize,
     pub pins: Vec<(IpAddr, Pin)>,
@@ -134,6 +136,19 @@ impl Core {
     pub fn handle_tick(&mut self, now: u64, input: TickInput) {
         if let Some(mode) = input.mode {
             self.promoter.set_mode(mode);
+        }
+        if let Some(path) = input.ud_path
+            && path != self.promoter.ud_path()
+        {
+            tracing::info!(
+                "the UD path is {path} now (was {}): {}",
+                self.promoter.ud_path(),
+                match path {
+                    UdPath::Offloaded => "mode auto promotes no peer by its rate",
+                    UdPath::PerPacket => "mode auto promotes busy peers again",
+                }
+            );
+            self.promoter.set_ud_path(path);
         }
         if !self.srq_armed && input.srq_posted > self.srq_limit {
             self.srq_armed = true;
@@ -340,6 +355,10 @@ impl Core {
 
     pub fn mode(&self) -> Mode {
         self.promoter.mode()
+    }
+
+    pub fn ud_path(&self) -> UdPath {
+        self.promoter.ud_path()
     }
 
     /// Every peer the policy knows, with why it is where it is.

@@ -360,3 +360,38 @@ fn pins_reach_the_policy() {
         ]
     );
 }
+
+#[test]
+fn the_ud_path_of_a_tick_decides_promotion_by_rate_and_none_keeps_the_last() {
+    let mut c = core(4);
+    let offloaded = |t: u64, path: Option<UdPath>, peer: IpAddr| TickInput {
+        mode: Some(Mode::Auto),
+        ud_path: path,
+        max_connections: 4,
+        traffic: vec![bulk(peer, t, 50)],
+        srq_posted: 256,
+        ..TickInput::default()
+    };
+    c.handle_tick(SEC, offloaded(1, Some(UdPath::Offloaded), ip(2)));
+    assert_eq!(c.ud_path(), UdPath::Offloaded);
+    // Unreadable (None) keeps the last path: still no promotion of a bulk sender.
+    for t in 2..8 {
+        c.handle_tick(t * SEC, offloaded(t, None, ip(2)));
+        assert_eq!(drain(&mut c), []);
+    }
+    assert_eq!(c.ud_path(), UdPath::Offloaded);
+    assert_eq!(c.peers()[0].state, "ud");
+    assert!(
+        c.peers()[0].why.contains("segments in the device"),
+        "{:?}",
+        c.peers()[0]
+    );
+    c.handle_tick(8 * SEC, offloaded(8, Some(UdPath::PerPacket), ip(2)));
+    assert_eq!(
+        drain(&mut c),
+        [
+            Command::SetPeerMode(ip(2), PeerMode::CmPending),
+            Command::Connect(ip(2))
+        ]
+    );
+}
