@@ -7,6 +7,9 @@
 //! it, and the other node's stack takes them (same MAC as its lab interface, rp_filter off).
 //! That proves the redirect on real traffic, GSO super-packets included, without RDMA.
 //!
+//! The lab's interfaces have TCP segmentation offload off ([`Node::set_tso`]): they stand in
+//! for IPoIB in datagram mode without offloads, where the CPU builds every datagram.
+//!
 //! Namespaces are entered with `nsenter --net` only, so every process shares one bpffs (the
 //! pins); `ip netns exec` would mount a fresh /sys per command.
 
@@ -97,6 +100,17 @@ impl Node {
             .arg("--")
             .arg(program);
         c
+    }
+
+    /// Turns TCP segmentation offload on or off on this node's interface. The lab builds its
+    /// interfaces with it off: they stand in for IPoIB in datagram mode on an HCA without
+    /// offloads (the CPU builds every datagram, GSO in software), the case connected mode is
+    /// for; with it on they stand in for a UD path that segments in the device (Enhanced
+    /// IPoIB), where `attach` promotes no peer by its rate.
+    pub fn set_tso(&self, on: bool) -> Result<()> {
+        let state = if on { "on" } else { "off" };
+        must(self.cmd("ethtool").args(["-K", &self.iface, "tso", state]))?;
+        Ok(())
     }
 
     /// `ipoib-ctl ARGS` in this node's namespace.
@@ -246,6 +260,7 @@ impl Lab {
                 "nodad",
             ]))?;
             must(n.cmd("ip").args(["link", "set", &n.iface, "up"]))?;
+            n.set_tso(false)?;
         }
         if let (Some(ac), Some(bc)) = (&lab.a.cm_iface, &lab.b.cm_iface) {
             ip(&["link", "add", ac, "type", "veth", "peer", "name", bc])?;
@@ -301,6 +316,7 @@ impl Lab {
                     .args(["addr", "add", &cidr6, "dev", &n.iface, "nodad"]),
             )?;
             must(n.cmd("ip").args(["link", "set", &n.iface, "up"]))?;
+            n.set_tso(false)?;
         }
         self.rails = vec![a.clone(), b.clone()];
         Ok((a, b))

@@ -2315,6 +2315,88 @@ fn a_node_whose_handshake_listener_dies_starts_connected_mode_again() {
     settle(&dev, &baseline, COUNTED);
 }
 
+/// Mode auto on a UD path that segments in the device (TSO on A's interface, as on Enhanced
+/// IPoIB) leaves a bulk stream on UD and says why; once A's interface segments in software
+/// (TSO turned off under the flow, as an operator would with ethtool) the next tick promotes
+/// the stream's peer, and the stream arrives intact across the switch. On the star lab: a
+/// veth end whose peer runs a native XDP program loses TSO ("off [fixed]"), so A's peer
+/// must be a bridge port, not B's interface.
+#[test]
+fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
+    let test = "a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyt", 3) else {
+        return;
+    };
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    a.set_tso(true).unwrap();
+    lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
+    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    assert_eq!(cm_of(&a).ud_path, "offloaded", "{:#?}", cm_of(&a));
+    assert_eq!(cm_of(&b).ud_path, "per-packet", "{:#?}", cm_of(&b));
+    let b_ip = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5335);
+    // Promotion on a per-packet path takes 2-3 ticks of bulk traffic; give it 8.
+    let before = wait_until(Duration::from_secs(10), || a.peer(&b_ip).unwrap().is_some());
+    assert!(before, "A never saw B: {:#?}", a.status().unwrap());
+    let first = a.peer(&b_ip).unwrap().unwrap();
+    std::thread::sleep(Duration::from_secs(8));
+    let held = a.peer(&b_ip).unwrap().unwrap();
+    let why = cm_peer(&cm_of(&a), &b_ip).map(|p| p.why.clone());
+    eprintln!(
+        "TSO on: {} MiB on UD in 8 s, CM {} B; A says {why:?}",
+        (held.traffic.tx_ud_bytes - first.traffic.tx_ud_bytes) >> 20,
+        held.traffic.tx_cm_bytes
+    );
+    assert_eq!(held.mode, "ud", "{held:?}\n{}", ctl_log(&a));
+    assert_eq!(held.traffic.tx_cm_bytes, 0, "{held:?}");
+    assert!(
+        held.traffic.tx_ud_bytes > first.traffic.tx_ud_bytes + (8 << 20),
+        "the stream hardly moved, so it proves nothing: {held:?}"
+    );
+    let why = why.expect("A's policy knows B");
+    assert!(why.contains("segments in the device"), "{why}");
+    assert!(
+        ctl_log(&a).contains("the UD path is offloaded"),
+        "{}",
+        ctl_log(&a)
+    );
+    let human = a.ctl(&["status", &a.iface]).unwrap();
+    let human = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        human.contains("UD path: the device segments (TSO)"),
+        "{human}"
+    );
+
+    a.set_tso(false).unwrap();
+    let t = Instant::now();
+    let up = a
+        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .unwrap_or_else(|| {
+            panic!(
+                "not promoted once TSO was off: {:#?}\n{}",
+                cm_of(&a),
+                ctl_log(&a)
+            )
+        });
+    eprintln!("TSO off: B on CM after {:.1?}", t.elapsed());
+    assert_eq!(cm_of(&a).ud_path, "per-packet");
+    assert!(
+        ctl_log(&a).contains("the UD path is per-packet now"),
+        "{}",
+        ctl_log(&a)
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let later = a.peer(&b_ip).unwrap().unwrap();
+    assert!(
+        later.traffic.tx_cm_bytes > up.traffic.tx_cm_bytes + (1 << 20),
+        "on CM, yet the stream does not go CM: {later:?}"
+    );
+    let sent = stream.finish();
+    eprintln!("{} MiB crossed intact", sent >> 20);
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
 /// systemd's watchdog (WATCHDOG=1 with the heartbeat) came while the engine turned, and
 /// stopped once a stalled or hung engine withheld the heartbeat (systemd would restart the
 /// unit); a panicked engine took connected mode down, the loop went on UD, said so, and

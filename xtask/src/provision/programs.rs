@@ -200,7 +200,7 @@ pub const PROGRAMS: &[Program] = &[
         "ethtool",
         "ethtool",
         Host,
-        "the offloads of the UD stand-ins in the hop benchmark",
+        "the lab interfaces' segmentation offload (off: datagram mode; on: a UD path that segments in the device), and the offloads of the UD stand-ins in the hop benchmark",
     ),
     deb(
         "bpftool",
