@@ -84,7 +84,7 @@ enum Cmd {
     Detach { iface: String },
     /// Change the policy in force on IFACE; the change is validated whole before any write.
     #[command(after_help = "Keys:\n  \
-        mode=auto|datagram|connected   interface-wide mode (default auto)\n  \
+        mode=auto|datagram|connected   interface-wide mode (default auto: CM for busy peers where UD costs the CPU per datagram, none by rate where the device segments (TSO); connected: CM for every active peer within the plan)\n  \
         cm-threshold=BYTES             smallest packet worth CM, 64..65520 (default 1024)\n  \
         heartbeat-timeout=DURATION     fail-safe deadline, 100ms..1h (default 3s)\n  \
         kernel-cm=on|off               let the kernel's own connected mode carry UD traffic (default off)\n  \
