@@ -776,9 +776,9 @@ impl Manager {
                      MiB/s in bulk",
                     self.opts.promotion.promote_rate / f64::from(1 << 20)
                 ),
-                UdPath::Offloaded => "the device segments (TSO), so CM would cost more CPU and \
-                     move no more: mode auto promotes no peer by its rate (mode=connected or a \
-                     pin gives CM)"
+                UdPath::Offloaded => "the device segments (TSO), so CM would save the CPU \
+                     nothing: mode auto promotes no peer by its rate (mode=connected or a pin \
+                     gives CM)"
                     .to_string(),
             }
         );

@@ -159,13 +159,16 @@ pub enum State {
 }
 
 /// How the interface's UD path carries bulk traffic, which decides whether mode `auto` moves
-/// a busy peer to CM. From `bench hop` (README), TCP on one host's kernel:
+/// a busy peer to CM. From `bench hop` (README: two runs, 1 and 4 TCP streams on one host's
+/// kernel):
 /// - per packet (datagram mode with no segmentation offload, 2044 bytes): the engine's hop
-///   moved 1.9x the bytes per second at 0.78x the CPU per byte: CM pays for a busy peer;
+///   moved 1.4-1.9x the bytes per second at 0.73-0.83x the CPU per byte: CM pays for a busy
+///   peer;
 /// - segmented by the device (TSO: Enhanced IPoIB on mlx5, or datagram mode on an HCA with UD
-///   LSO), whose stand-in (4092 bytes, software GSO, GRO) the hop matched at best in bytes per
-///   second (0.8-1.0x) at 1.2-1.6x its CPU per byte: CM costs the host more and moves no more,
-///   so no rate makes it worth a connection. Mode `connected` and a pin still give CM.
+///   LSO): against its stand-in (4092 bytes, software GSO, GRO) the hop moved 0.7-1.4x the
+///   bytes per second at 0.98-1.6x the CPU per byte, and the stand-in over-charges the real
+///   path by the segmentation its HCA does for free: CM saves the host nothing, so no rate
+///   makes it worth a connection. Mode `connected` and a pin still give CM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum UdPath {
     /// The CPU builds every datagram (no segmentation offload).
