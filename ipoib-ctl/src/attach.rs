@@ -219,10 +219,8 @@ pub fn write_state(state: &AttachState) -> Result<()> {
     let dir = Path::new(RUN_DIR);
     fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
     let path = state_path(&state.iface);
-    let tmp = path.with_extension("json.tmp");
     let text = serde_json::to_string_pretty(state).expect("state serialises");
-    fs::write(&tmp, text).map_err(io_err("writing", &tmp))?;
-    fs::rename(&tmp, &path).map_err(io_err("renaming", &path))
+    crate::files::replace(&path, text.as_bytes()).map_err(io_err("writing", &path))
 }
 
 /// Mounts bpffs at /sys/fs/bpf when nothing is mounted there.

@@ -740,11 +740,14 @@ impl Manager {
             awake_since: monotonic_ns(),
             tick_late_max: Duration::ZERO,
         };
-        m.log_started();
+        m.started();
         Ok(m)
     }
 
-    fn log_started(&self) {
+    /// Says what runs, in the log and in the status file (before the first tick: whoever
+    /// sees the control loop up finds connected mode's status).
+    fn started(&self) {
+        self.write_status();
         let port = &self.res.port;
         let receive = match &self.res.recv {
             Receive::Srq(srq) => format!("SRQ {} x {CM_BUF_SIZE} B", srq.depth),
@@ -1163,8 +1166,10 @@ impl Manager {
                 .collect(),
             peers,
         };
-        if let Ok(json) = serde_json::to_vec_pretty(&status) {
-            let _ = std::fs::write(&self.opts.status_path, json);
+        if let Ok(json) = serde_json::to_vec_pretty(&status)
+            && let Err(e) = crate::files::replace(&self.opts.status_path, &json)
+        {
+            tracing::debug!("writing {}: {e}", self.opts.status_path.display());
         }
     }
 

@@ -191,9 +191,7 @@ impl Ledger {
 
     /// Writes this share (under the lock): a new file renamed over the old one.
     fn write(&self, bytes: u64) -> io::Result<()> {
-        let tmp = self.dir.join(format!(".{}.tmp", self.iface));
-        std::fs::write(&tmp, serde_json::to_vec(&self.share(bytes))?)?;
-        std::fs::rename(tmp, self.path())
+        crate::files::replace(&self.path(), &serde_json::to_vec(&self.share(bytes))?)
     }
 
     /// The other interfaces' live shares (under the lock).

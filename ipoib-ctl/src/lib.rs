@@ -14,6 +14,7 @@ pub mod connmgr;
 pub mod daemon;
 pub mod datapath;
 pub mod engine;
+pub mod files;
 pub mod iblink;
 pub mod ledger;
 pub mod maps;

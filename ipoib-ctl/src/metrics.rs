@@ -255,10 +255,7 @@ pub fn textfile_path(dir: &Path, iface: &str) -> PathBuf {
 /// Replaces the textfile whole: written beside it (a name node_exporter does not read), then
 /// renamed over it.
 pub fn write_textfile(dir: &Path, iface: &str, text: &str) -> std::io::Result<()> {
-    let path = textfile_path(dir, iface);
-    let tmp = dir.join(format!(".ipoib-ctl-{iface}.prom.tmp"));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, &path)
+    crate::files::replace(&textfile_path(dir, iface), text.as_bytes())
 }
 
 #[cfg(test)]
