@@ -769,21 +769,12 @@ impl Manager {
             self.core.max_connections(),
             self.opts.ctl_port
         );
+        let path = self.core.ud_path();
         tracing::info!(
-            "{}: the UD path is {}: {}",
+            "{}: the UD path is {path}: {} (a busy peer sends over {:.0} MiB/s in bulk)",
             self.iface,
-            self.core.ud_path(),
-            match self.core.ud_path() {
-                UdPath::PerPacket => format!(
-                    "no segmentation offload, mode auto gives CM to peers sending over {:.0} \
-                     MiB/s in bulk",
-                    self.opts.promotion.promote_rate / f64::from(1 << 20)
-                ),
-                UdPath::Offloaded => "the device segments (TSO), so CM would save the CPU \
-                     nothing: mode auto promotes no peer by its rate (mode=connected or a pin \
-                     gives CM)"
-                    .to_string(),
-            }
+            path.effect(),
+            self.opts.promotion.promote_rate / f64::from(1 << 20)
         );
     }
 

@@ -17,7 +17,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{connmgr::CmStatus, status::Status};
+use crate::{connmgr::CmStatus, promotion::UdPath, status::Status};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Iface {
@@ -175,7 +175,7 @@ fn cm_gauges(cm: &CmStatus) -> [(&'static str, &'static str, u64); 6] {
             "ud_segmentation_offloaded",
             "1 when the interface segments in the device (TSO): mode auto then promotes no \
              peer by its rate",
-            u64::from(cm.ud_path == "offloaded"),
+            u64::from(cm.ud_path.parse() == Ok(UdPath::Offloaded)),
         ),
         (
             "cm_max_connections",

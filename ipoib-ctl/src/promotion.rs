@@ -187,6 +187,30 @@ impl UdPath {
             Self::PerPacket
         }
     }
+
+    /// What the path is and what it means for mode `auto`, as the log and `status` say it.
+    pub fn effect(self) -> &'static str {
+        match self {
+            Self::PerPacket => "every datagram built by the CPU: mode auto promotes busy peers",
+            Self::Offloaded => {
+                "the device segments (TSO): mode auto promotes no peer by its rate \
+                 (mode=connected or a pin gives CM)"
+            }
+        }
+    }
+}
+
+/// From its [`fmt::Display`] form (`per-packet`, `offloaded`), as the CM status file holds it.
+impl std::str::FromStr for UdPath {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "per-packet" => Ok(Self::PerPacket),
+            "offloaded" => Ok(Self::Offloaded),
+            _ => Err(()),
+        }
+    }
 }
 
 impl fmt::Display for UdPath {
@@ -853,6 +877,16 @@ mod tests {
         assert_eq!(UdPath::default(), UdPath::PerPacket);
         assert_eq!(UdPath::Offloaded.to_string(), "offloaded");
         assert_eq!(UdPath::PerPacket.to_string(), "per-packet");
+        for p in [UdPath::Offloaded, UdPath::PerPacket] {
+            assert_eq!(p.to_string().parse(), Ok(p));
+        }
+        assert_eq!("".parse::<UdPath>(), Err(()));
+        assert!(
+            UdPath::Offloaded
+                .effect()
+                .starts_with("the device segments (TSO)")
+        );
+        assert!(UdPath::PerPacket.effect().contains("promotes busy peers"));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use crate::{
     clock::monotonic_ns,
     maps::DatapathMaps,
     policy::{Mode, Pin, format_size},
+    promotion::UdPath,
 };
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -417,11 +418,7 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
          {} established / {} failed setups",
         cm.device, cm.tun, cm.connections, cm.established, cm.failed
     );
-    let ud_path = match cm.ud_path.as_str() {
-        "offloaded" => "the device segments (TSO): mode auto promotes no peer by its rate",
-        "per-packet" => "every datagram built by the CPU: mode auto promotes busy peers",
-        _ => "not reported",
-    };
+    let ud_path = cm.ud_path.parse().map_or("not reported", UdPath::effect);
     let _ = writeln!(out, "    UD path: {ud_path}");
     let _ = writeln!(
         out,

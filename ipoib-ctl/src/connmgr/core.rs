@@ -143,10 +143,7 @@ impl Core {
             tracing::info!(
                 "the UD path is {path} now (was {}): {}",
                 self.promoter.ud_path(),
-                match path {
-                    UdPath::Offloaded => "mode auto promotes no peer by its rate",
-                    UdPath::PerPacket => "mode auto promotes busy peers again",
-                }
+                path.effect()
             );
             self.promoter.set_ud_path(path);
         }
