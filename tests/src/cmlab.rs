@@ -46,8 +46,17 @@ impl Verbs {
 
     /// With receives as `model` says (an SRQ, or a ring per connection).
     pub fn open_with(dev: &str, model: ReceiveModel, send_slots: u32) -> Result<Self> {
+        Self::open_buffers(dev, model, CM_BUF_SIZE as u32, send_slots)
+    }
+
+    /// With receive buffers of `buffer` bytes (a message longer fails its receive).
+    pub fn open_buffers(
+        dev: &str,
+        model: ReceiveModel,
+        buffer: u32,
+        send_slots: u32,
+    ) -> Result<Self> {
         let dev = Device::open(dev)?;
-        let buffer = CM_BUF_SIZE as u32;
         let res = Resources::create(&dev, 1, 0, model, buffer, send_slots, STRIDE)?;
         Ok(Self {
             cq: res.recv_cq.clone(),

@@ -901,3 +901,59 @@ fn a_chain_of_sends_is_posted_in_order_and_cut_where_the_queue_is_full() {
     completed(&mut pa, 4 + posted as u64);
     assert!(pa.send_errors.is_empty(), "{:?}", pa.send_errors);
 }
+
+/// A receive that fails (a message longer than the SRQ buffer it lands in) completes in error,
+/// and such a completion's opcode is undefined (soft-RoCE leaves it 0, a send's): it must
+/// still read as a receive that names its SRQ buffer, and the sender's failed completion as a
+/// send that gives back its slot. (The engine once took such a receive for a send and stopped
+/// on "slot 309 of 256".)
+#[test]
+fn completions_in_error_tell_a_receive_from_a_send() {
+    let Some(dev) = device("completions_in_error_tell_a_receive_from_a_send") else {
+        return;
+    };
+    let baseline = rdma_resources(&dev);
+    {
+        let a = Arc::new(Verbs::open(&dev, 64, 64).unwrap());
+        let model = ReceiveModel::Srq { depth: 64 };
+        let b = Arc::new(Verbs::open_buffers(&dev, model, 256, 64).unwrap());
+        let cma = Arc::new(Cm::new(a.res.clone(), 0x10, SetupConfig::default()));
+        let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, SetupConfig::default()));
+        let rt = rt();
+        let (conn, peer_conn) = connect_a_to_b(&rt, &cma, &cmb);
+        let data = pattern(1, 1000);
+        // SAFETY: nothing posted uses slot 3.
+        unsafe { a.send.slot(3)[..data.len()].copy_from_slice(&data) };
+        conn.qp.post_send(&a.send, 3, 1000, 3).unwrap();
+
+        let first_completion = |node: &Verbs| {
+            let mut wcs = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if node.cq.poll(&mut wcs, 64).unwrap() > 0 {
+                    return wcs[0];
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            panic!("no completion in 10 s");
+        };
+        let rx = first_completion(&b);
+        eprintln!("B, a 1000-byte message into a 256-byte buffer: {rx:?}");
+        assert!(rx.error.is_some(), "the receive did not fail: {rx:?}");
+        assert!(rx.recv, "a failed receive read as a send: {rx:?}");
+        assert_eq!(rx.qp_num, peer_conn.qp.qpn());
+        let buf = b.res.recv.filled(&rx).expect("names no receive buffer");
+        assert!(buf.qp().is_none(), "not the SRQ's buffer");
+        buf.repost().unwrap();
+
+        let tx = first_completion(&a);
+        eprintln!("A, the send of it: {tx:?}");
+        assert!(!tx.recv, "a send read as a receive: {tx:?}");
+        assert_eq!((tx.wr_id, tx.qp_num), (3, conn.qp.qpn()));
+        assert!(
+            tx.error.is_some(),
+            "the peer took 1000 bytes into 256: {tx:?}"
+        );
+    }
+    settle(&dev, &baseline, COUNTED);
+}

@@ -8,8 +8,10 @@
 //! down or refused at the time; a QP past the cap fails before anything is allocated.
 //!
 //! Every receive's `wr_id` names its ring and slot ([`wr_id`]): ring 0 is the SRQ, rings are
-//! numbered from 1 and never reused, so a completion that arrives after its ring is gone (a
-//! flush after teardown) finds nothing rather than another connection's buffer.
+//! numbered from 1 and not reused before 2^31 - 1 more rings were made, so a completion that
+//! arrives after its ring is gone (a flush after teardown) finds nothing rather than another
+//! connection's buffer. Ring numbers keep to 31 bits: the id's top bit marks a send
+//! ([`super::SEND_WR_ID`]).
 
 use std::{
     collections::HashMap,
@@ -43,9 +45,20 @@ impl ReceiveModel {
     }
 }
 
-/// A receive's work request id: its ring (0: the SRQ) and its slot in the ring's region.
+/// Ring numbers: 1 to this (0 is the SRQ), so a receive's id stays below
+/// [`super::SEND_WR_ID`].
+const RING_IDS: u32 = (1 << 31) - 1;
+
+/// A receive's work request id: its ring (0: the SRQ; at most 2^31 - 1) and its slot in the
+/// ring's region.
 pub fn wr_id(ring: u32, slot: u32) -> u64 {
+    debug_assert!(ring <= RING_IDS);
     (u64::from(ring) << 32) | u64::from(slot)
+}
+
+/// The number of the `n`th ring made (from 0): 1 to [`RING_IDS`], then around again.
+fn ring_number(n: u32) -> u32 {
+    n % RING_IDS + 1
 }
 
 /// The ring and slot of a receive's work request id.
@@ -213,7 +226,7 @@ impl RingPool {
             max,
             in_use: AtomicU32::new(0),
             registered: AtomicU64::new(0),
-            next_id: AtomicU32::new(1),
+            next_id: AtomicU32::new(0),
             live: Mutex::new(HashMap::new()),
             made: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -274,7 +287,7 @@ impl RingPool {
         self.registered.fetch_add(permit.bytes, Ordering::Relaxed);
         self.made.fetch_add(1, Ordering::Relaxed);
         Ok(RecvRing {
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            id: ring_number(self.next_id.fetch_add(1, Ordering::Relaxed)),
             region,
             buffer_bytes: self.buffer_bytes,
             posted: AtomicU32::new(0),
@@ -337,12 +350,23 @@ mod tests {
 
     #[test]
     fn a_work_request_id_names_its_ring_and_slot() {
-        for (ring, slot) in [(0, 0), (0, 4095), (1, 0), (7, 63), (u32::MAX, u32::MAX)] {
+        for (ring, slot) in [(0, 0), (0, 4095), (1, 0), (7, 63), (RING_IDS, u32::MAX)] {
             assert_eq!(ring_and_slot(wr_id(ring, slot)), (ring, slot));
+            assert!(wr_id(ring, slot) < super::super::SEND_WR_ID, "ring {ring}");
         }
         // The SRQ's ids are plain slot numbers, as before rings existed.
         assert_eq!(wr_id(0, 42), 42);
         assert_ne!(wr_id(1, 42), wr_id(2, 42));
+    }
+
+    #[test]
+    fn ring_numbers_skip_the_srq_and_keep_below_the_send_bit() {
+        assert_eq!(ring_number(0), 1);
+        assert_eq!(ring_number(1), 2);
+        assert_eq!(ring_number(RING_IDS - 1), RING_IDS);
+        assert_eq!(ring_number(RING_IDS), 1);
+        assert_eq!(ring_number(u32::MAX), u32::MAX % RING_IDS + 1);
+        assert!((1..=RING_IDS).contains(&ring_number(u32::MAX)));
     }
 
     #[test]

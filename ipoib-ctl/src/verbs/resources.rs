@@ -696,17 +696,44 @@ impl SharedReceiveQueue {
     }
 }
 
+/// The bit [`RcQueuePair::post_sends`] sets in every send's work request id, and
+/// [`CompletionQueue::poll`] takes off again: what tells a send's completion from a receive's.
+/// The completion's opcode cannot: it is undefined when the status is an error (soft-RoCE
+/// leaves it 0, `IBV_WC_SEND`, on a receive that failed). A caller's send ids stay below it;
+/// receive ids ([`super::receive::wr_id`]) never reach it.
+pub const SEND_WR_ID: u64 = 1 << 63;
+
 /// A completion, reduced to what the engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completion {
+    /// The work request id as it was posted.
     pub wr_id: u64,
     pub qp_num: u32,
     pub bytes: u32,
-    /// true for a receive, false for a send.
+    /// true for a receive, false for a send (from the work request id, so also in error).
     pub recv: bool,
     /// `None` on success, else the ibv_wc_status value (e.g. 12 = retry exceeded,
     /// 5 = flushed after an error).
     pub error: Option<u32>,
+}
+
+impl Completion {
+    /// What the engine uses of the provider's completion `wc` (its opcode is not read).
+    fn of(wc: &ffi::ibv_wc) -> Self {
+        let error = wc.error().map(|(status, _)| status);
+        Self::from_id(wc.wr_id(), wc.qp_num, wc.len() as u32, error)
+    }
+
+    /// A completion of the work request posted with id `id` (as the HCA hands it back).
+    fn from_id(id: u64, qp_num: u32, bytes: u32, error: Option<u32>) -> Self {
+        Self {
+            wr_id: id & !SEND_WR_ID,
+            qp_num,
+            bytes,
+            recv: id & SEND_WR_ID == 0,
+            error,
+        }
+    }
 }
 
 /// A completion queue, optionally with its own completion channel (an fd that becomes
@@ -789,16 +816,7 @@ impl CompletionQueue {
         if n < 0 {
             return Err(self.ctx.err("poll_cq", io::Error::from_raw_os_error(-n)));
         }
-        for wc in &wcs[..n as usize] {
-            let op = wc.opcode();
-            out.push(Completion {
-                wr_id: wc.wr_id(),
-                qp_num: wc.qp_num,
-                bytes: wc.len() as u32,
-                recv: op & ffi::ibv_wc_opcode::IBV_WC_RECV != 0,
-                error: wc.error().map(|(status, _)| status),
-            });
-        }
+        out.extend(wcs[..n as usize].iter().map(Completion::of));
         Ok(n as usize)
     }
 
@@ -1201,12 +1219,11 @@ impl RcQueuePair {
         if sends.is_empty() {
             return (0, Ok(()));
         }
-        if let Some(bad) = sends
-            .iter()
-            .position(|s| s.slot >= region.count || u64::from(s.len) > region.stride)
-        {
+        if let Some(bad) = sends.iter().position(|s| {
+            s.slot >= region.count || u64::from(s.len) > region.stride || s.wr_id >= SEND_WR_ID
+        }) {
             let e = self.ctx().err(
-                "post_send: slot or length out of the region",
+                "post_send: slot or length out of the region, or a work request id past 2^63",
                 io::Error::from(io::ErrorKind::InvalidInput),
             );
             let (posted, r) = self.post_sends(region, &sends[..bad]);
@@ -1247,7 +1264,7 @@ impl RcQueuePair {
                 let sge = sge_base.add(k);
                 sge.write(region.sge(s.slot, s.len));
                 base.add(k).write(ffi::ibv_send_wr {
-                    wr_id: s.wr_id,
+                    wr_id: s.wr_id | SEND_WR_ID,
                     next: if k + 1 < n {
                         base.add(k + 1)
                     } else {
@@ -1290,12 +1307,36 @@ impl RcQueuePair {
 pub struct SendRequest {
     pub slot: u32,
     pub len: u32,
+    /// Below [`SEND_WR_ID`]: its completion gives it back as it was.
     pub wr_id: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::verbs::wr_id;
+
+    /// A receive that failed has no opcode to trust (soft-RoCE leaves 0, `IBV_WC_SEND`): its
+    /// id says receive, and names its ring and slot. A send, failed or not, gives back the id
+    /// it was posted with.
+    #[test]
+    fn a_completion_is_a_send_or_a_receive_by_its_id_also_in_error() {
+        use ffi::ibv_wc_status as st;
+        let (len_err, flushed) = (Some(st::IBV_WC_LOC_LEN_ERR), Some(st::IBV_WC_WR_FLUSH_ERR));
+        let c = Completion::from_id(wr_id(0, 309), 261, 0, len_err);
+        assert!(c.recv);
+        assert_eq!((c.wr_id, c.error), (309, len_err));
+        let c = Completion::from_id(wr_id(5, 7), 261, 0, flushed);
+        assert!(c.recv);
+        assert_eq!(c.wr_id, wr_id(5, 7));
+        let c = Completion::from_id(wr_id(0, 3), 261, 1000, None);
+        assert_eq!((c.recv, c.wr_id, c.qp_num, c.bytes), (true, 3, 261, 1000));
+        for error in [None, Some(st::IBV_WC_RETRY_EXC_ERR), flushed] {
+            let c = Completion::from_id(SEND_WR_ID | 255, 261, 0, error);
+            assert!(!c.recv);
+            assert_eq!((c.wr_id, c.error), (255, error));
+        }
+    }
 
     #[test]
     fn rnr_timer_codes_in_microseconds() {
