@@ -21,8 +21,10 @@
 //! read still goes over the connection, in order, as long as `spare_slots` send slots stay
 //! free for the other connections, if any (past that a packet is dropped and counted): a
 //! switch to UD loses nothing. [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause
-//! while no send slot is free. A send that completes in error reports
-//! [`EngineEvent::QpError`] once per QP.
+//! while no send slot is free. A send that completes in error, or a receive (not flushed),
+//! reports [`EngineEvent::QpError`] once per QP: its flow stays, dead (what is read for it
+//! is dropped and counted as without a connection, no keepalive goes), until the control
+//! plane takes the route away.
 //!
 //! One turn of the loop does one thing: a batch of TUN reads (each packet posted as it is
 //! read), or completions until the CQ is empty or 20 ms are spent (the sends they
@@ -37,7 +39,7 @@
 //! Runs on tokio: AsyncFd on the TUN fd and on the CQ's completion channel.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashMap, HashSet, VecDeque, hash_map::Entry},
     io,
     net::IpAddr,
     os::fd::{AsRawFd, RawFd},
@@ -56,7 +58,7 @@ use tokio::{
 
 use crate::{
     tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN},
-    verbs::{Completion, RcQueuePair, Resources, SendRequest, VerbsError},
+    verbs::{Completion, RcQueuePair, Resources, SendRequest, VerbsError, WC_FLUSHED},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -302,7 +304,8 @@ impl AsRawFd for RawFdRef {
 /// What the engine tells the control plane.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EngineEvent {
-    /// A send on this QP completed in error: the connection is dead (said once per QP).
+    /// A send on this QP completed in error, or a receive did (not flushed): the connection
+    /// is dead (said once per QP).
     QpError { qpn: u32, status: u32 },
     /// The connection's queue overflowed: its traffic should go UD for now.
     Congested(IpAddr),
@@ -780,6 +783,10 @@ impl Core {
             .flows
             .entry(qpn)
             .or_insert_with(|| Flow::new(dst, route.qp.clone()));
+        if flow.dead {
+            // Reported; its route goes when the control plane hears of it.
+            return Err(|s| &s.tx_no_connection);
+        }
         let full = flow.in_flight >= self.cfg.max_send_wr;
         // Past the bound the next packets go UD until the queue drains; this one, already
         // read, still waits its turn while slots are left for the other connections.
@@ -833,9 +840,6 @@ impl Core {
                 }
                 if let Some(f) = self.flows.get_mut(&qpn) {
                     f.in_flight = f.in_flight.saturating_sub(chain.len() as u32);
-                    if f.in_flight == 0 {
-                        self.flows.remove(&qpn);
-                    }
                 }
                 continue;
             };
@@ -906,8 +910,9 @@ impl Core {
             return Ok(());
         };
         let on_ring = buf.qp().is_some();
-        if wc.error.is_some() {
+        if let Some(status) = wc.error {
             Self::count(&self.stats.rx_errors);
+            self.on_receive_failed(wc.qp_num, status);
             if on_ring {
                 return Ok(());
             }
@@ -941,6 +946,28 @@ impl Core {
         }
     }
 
+    /// A receive on `qpn` failed on its own (a message longer than its buffer, a protocol
+    /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
+    /// says, and is reported the same way, once, its flow marked dead (no more sends posted).
+    fn on_receive_failed(&mut self, qpn: u32, status: u32) {
+        if status == WC_FLUSHED {
+            return;
+        }
+        let flow = match self.flows.entry(qpn) {
+            Entry::Occupied(f) => f.into_mut(),
+            Entry::Vacant(v) => {
+                let Some((ip, r)) = self.routes.iter().find(|(_, r)| r.qp.qpn() == qpn) else {
+                    // Not routed (closed already): nobody to tell.
+                    return;
+                };
+                v.insert(Flow::new(*ip, r.qp.clone()))
+            }
+        };
+        if !std::mem::replace(&mut flow.dead, true) {
+            self.tell(EngineEvent::QpError { qpn, status });
+        }
+    }
+
     /// A send completed: its slot is free, and a waiting packet of the same connection goes.
     /// In error, the QP is dead: what waits for it is dropped and it is reported once.
     fn on_send_done(&mut self, wc: &Completion) {
@@ -957,12 +984,9 @@ impl Core {
                 self.free.push(s);
                 Self::count(&self.stats.tx_backpressure);
             }
-            let first = !std::mem::replace(&mut flow.dead, true);
-            if flow.in_flight == 0 {
-                // Every send of the dead QP is back: forget it.
-                self.flows.remove(&wc.qp_num);
-            }
-            if first {
+            // Kept, dead, until housekeeping finds it unrouted with every send back (its QP
+            // alive till then, so its number is not another's).
+            if !std::mem::replace(&mut flow.dead, true) {
                 let qpn = wc.qp_num;
                 self.tell(EngineEvent::QpError { qpn, status });
             }

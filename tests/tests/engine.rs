@@ -19,8 +19,9 @@ use std::{
 
 use ipoib_ctl::{
     cm::{Cm, SetupConfig},
-    engine::{Engine, EngineConfig, EngineStats, Route},
+    engine::{Engine, EngineConfig, EngineEvent, EngineStats, Route},
     tun::Tun,
+    verbs::{ReceiveModel, WC_FLUSHED},
 };
 use ipoib_tests::cmlab::{
     COUNTED, Netns, Peer, Verbs, device, in_netns, pattern, rdma_resources, settle, tun_up,
@@ -204,5 +205,126 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
     drop(peer);
     drop(cm);
     drop(node);
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// A receive that fails at the engine (a message longer than its SRQ buffer) is the QP's
+/// failure: counted as a receive error, not a send one, told once as a QP error, its SRQ
+/// buffer posted again, and the engine runs on. (Read as a send, such a completion once handed
+/// an SRQ buffer's number out as a send slot and stopped the engine on "slot 309 of 256".)
+#[test]
+fn a_receive_that_fails_is_the_qps_failure_and_the_engine_runs_on() {
+    let Some(dev) = device("a_receive_that_fails_is_the_qps_failure_and_the_engine_runs_on") else {
+        return;
+    };
+    let baseline = rdma_resources(&dev);
+    {
+        // A: the engine, on SRQ buffers of 2 KiB; B: a bare node that sends it 4000 bytes.
+        let a =
+            Arc::new(Verbs::open_buffers(&dev, ReceiveModel::Srq { depth: 64 }, 2048, 16).unwrap());
+        let b = Arc::new(Verbs::open(&dev, 64, 16).unwrap());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let cma = Arc::new(Cm::new(a.res.clone(), 0x10, SetupConfig::default()));
+        let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, SetupConfig::default()));
+        let (conn_a, conn_b) = rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(cmb.clone().serve(l, tx));
+            let c = cma.connect(addr, cmb.hwaddr()).await.unwrap();
+            (c, rx.recv().await.unwrap().1.unwrap())
+        });
+        let tun = Tun::create("cmt%d", true).unwrap();
+        let mut engine = Engine::new(tun, a.res.clone(), EngineConfig::default()).unwrap();
+        let mut events = engine.events();
+        let stats = engine.stats();
+        let peer_ip: IpAddr = "10.98.1.2".parse().unwrap();
+        engine.control().add_route(
+            peer_ip,
+            Route {
+                qp: conn_a.qp.clone(),
+                mtu: conn_a.mtu,
+            },
+        );
+        let srq = a.srq().clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let running = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(engine.run(async {
+                let _ = stop_rx.await;
+            }))
+        });
+
+        // The route in place (a receive on an unrouted QP concerns nobody).
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && !seen
+                .iter()
+                .any(|e| matches!(e, EngineEvent::RouteAdded { .. }))
+        {
+            match events.try_recv() {
+                Ok(e) => seen.push(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        let data = pattern(9, 4000);
+        // SAFETY: nothing posted uses B's slot 0.
+        unsafe { b.send.slot(0)[..data.len()].copy_from_slice(&data) };
+        conn_b.qp.post_send(&b.send, 0, 4000, 0).unwrap();
+
+        let qpn = conn_a.qp.qpn();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && !seen
+                .iter()
+                .any(|e| matches!(e, EngineEvent::QpError { .. }))
+        {
+            match events.try_recv() {
+                Ok(e) => seen.push(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        // Anything else it says within a second, two housekeepings that would send a keepalive
+        // on an idle connection (a second QP error would be a bug).
+        std::thread::sleep(Duration::from_secs(1));
+        while let Ok(e) = events.try_recv() {
+            seen.push(e);
+        }
+        let here: std::collections::HashMap<_, _> = stats.snapshot().into_iter().collect();
+        eprintln!("the engine said {seen:?}; its counters {here:?}");
+        let errors: Vec<_> = seen
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::QpError { .. }))
+            .collect();
+        assert_eq!(errors.len(), 1, "QP errors told: {seen:?}");
+        // Told by the receive, with its cause: not a flush of a send that came after.
+        assert!(
+            matches!(errors[0], EngineEvent::QpError { qpn: q, status } if *q == qpn && *status != WC_FLUSHED),
+            "not QP {qpn}'s own failure: {errors:?}"
+        );
+        assert_eq!(here["rx_errors"], 1, "{here:?}");
+        // A keepalive in flight when the QP failed is flushed: the only sends there were.
+        assert!(
+            here["send_errors"] <= here["keepalives_sent"] && here["tx_packets"] == 0,
+            "{here:?}"
+        );
+        assert_eq!(
+            srq.posted(),
+            64,
+            "the failed receive's buffer was not posted again"
+        );
+        assert!(!running.is_finished(), "the engine stopped: {here:?}");
+        stop_tx.send(()).unwrap();
+        running.join().unwrap().expect("the engine's run");
+        conn_a.close();
+        conn_b.close();
+    }
     settle(&dev, &baseline, COUNTED);
 }

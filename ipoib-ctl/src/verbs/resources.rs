@@ -703,6 +703,10 @@ impl SharedReceiveQueue {
 /// receive ids ([`super::receive::wr_id`]) never reach it.
 pub const SEND_WR_ID: u64 = 1 << 63;
 
+/// The status of a work request flushed because its QP was already in error (a completion
+/// that says nothing new of the QP).
+pub const WC_FLUSHED: u32 = ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+
 /// A completion, reduced to what the engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completion {
