@@ -134,7 +134,7 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
     match run(root, &script, |_| {}) {
         Err(e) if e.is::<Frozen>() => {
             // A VM that hangs in its boot (as when its script was cut by the kernel command
-            // line's limit) or freezes is given one more boot.
+            // line's limit), freezes or locks up is given one more boot: every test again.
             println!("==> {e}: booting it again (once)");
             run(root, &script, |_| {}).context("tests failed inside the VM (second boot)")?;
         }
@@ -152,18 +152,42 @@ fn silence() -> Duration {
     Duration::from_secs(secs.and_then(|s| s.parse().ok()).unwrap_or(600))
 }
 
-/// The VM printed nothing for [`silence`]: it was killed.
+/// The VM stopped making progress and was killed: it printed nothing for [`silence`], or
+/// its kernel reported a CPU locked up for [`LOCKUP`].
 #[derive(Debug)]
-pub struct Frozen(Duration);
+pub enum Frozen {
+    Silent(Duration),
+    LockedUp(String),
+}
 
 impl std::fmt::Display for Frozen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "the VM printed nothing for {:?} and was killed (frozen)",
-            self.0
-        )
+        match self {
+            Self::Silent(d) => write!(
+                f,
+                "the VM printed nothing for {d:?} and was killed (frozen)"
+            ),
+            Self::LockedUp(line) => write!(
+                f,
+                "the VM's kernel locked up and the VM was killed (frozen): {line}"
+            ),
+        }
     }
+}
+
+/// How long a CPU of the VM may be reported stuck before the VM counts as frozen. Seen once
+/// in CI (Debian 6.1 under emulation): ksoftirqd looping in the veth's receive path
+/// (veth_poll, ip_list_rcv, ip_local_deliver) for good, the tests on that CPU's network
+/// waiting till the 45-minute limit. A lockup that long does not end; a test that waits on
+/// one fails anyway.
+const LOCKUP: u64 = 120;
+
+/// The seconds a kernel soft lockup report says a CPU was stuck ("watchdog: BUG: soft lockup
+/// - CPU#1 stuck for 71s! [ksoftirqd/1:21]").
+fn lockup_secs(line: &str) -> Option<u64> {
+    let rest = &line[line.find("soft lockup - CPU#")?..];
+    let after = &rest[rest.find(" stuck for ")? + " stuck for ".len()..];
+    after[..after.find("s!")?].parse().ok()
 }
 
 impl std::error::Error for Frozen {}
@@ -227,6 +251,13 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
                 booted |= line.starts_with("==> ");
                 println!("[vm] {line}");
                 on_line(&line);
+                if lockup_secs(&line).is_some_and(|s| s >= LOCKUP) {
+                    // SAFETY: plain kill(2) of the group spawned above.
+                    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                    let _ = child.wait();
+                    let _ = std::fs::remove_file(&file);
+                    return Err(Frozen::LockedUp(line).into());
+                }
             }
             Ok((false, line)) => eprintln!("[vm] {line}"),
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -235,7 +266,7 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
                 unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
                 let _ = child.wait();
                 let _ = std::fs::remove_file(&file);
-                return Err(Frozen(quiet).into());
+                return Err(Frozen::Silent(quiet).into());
             }
         }
     }
@@ -248,4 +279,28 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
         bail!("the script inside the VM failed ({status})");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_soft_lockup_report_gives_its_seconds() {
+        let seen =
+            "[  328.639665] watchdog: BUG: soft lockup - CPU#1 stuck for 71s! [ksoftirqd/1:21]";
+        assert_eq!(lockup_secs(seen), Some(71));
+        assert_eq!(
+            lockup_secs("watchdog: BUG: soft lockup - CPU#0 stuck for 305s! [qemu:1]"),
+            Some(305)
+        );
+        for other in [
+            "[  276.188393] rcu: INFO: rcu_preempt self-detected stall on CPU",
+            "test soft lockup - CPU#1 stuck for ... ok",
+            "soft lockup - CPU#1 stuck for xs! [a]",
+            "",
+        ] {
+            assert_eq!(lockup_secs(other), None, "{other}");
+        }
+    }
 }
