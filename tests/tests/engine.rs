@@ -208,6 +208,22 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
     settle(&dev, &baseline, COUNTED);
 }
 
+/// Takes what the engine says into `seen` until it has said what `wanted` matches, 10 s at
+/// most.
+fn until_said(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+    seen: &mut Vec<EngineEvent>,
+    wanted: impl Fn(&EngineEvent) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !seen.iter().any(&wanted) {
+        match events.try_recv() {
+            Ok(e) => seen.push(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
 /// A receive that fails at the engine (a message longer than its SRQ buffer) is the QP's
 /// failure: counted as a receive error, not a send one, told once as a QP error, its SRQ
 /// buffer posted again, and the engine runs on. (Read as a send, such a completion once handed
@@ -263,34 +279,18 @@ fn a_receive_that_fails_is_the_qps_failure_and_the_engine_runs_on() {
 
         // The route in place (a receive on an unrouted QP concerns nobody).
         let mut seen = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline
-            && !seen
-                .iter()
-                .any(|e| matches!(e, EngineEvent::RouteAdded { .. }))
-        {
-            match events.try_recv() {
-                Ok(e) => seen.push(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
+        until_said(&mut events, &mut seen, |e| {
+            matches!(e, EngineEvent::RouteAdded { .. })
+        });
         let data = pattern(9, 4000);
         // SAFETY: nothing posted uses B's slot 0.
         unsafe { b.send.slot(0)[..data.len()].copy_from_slice(&data) };
         conn_b.qp.post_send(&b.send, 0, 4000, 0).unwrap();
 
         let qpn = conn_a.qp.qpn();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline
-            && !seen
-                .iter()
-                .any(|e| matches!(e, EngineEvent::QpError { .. }))
-        {
-            match events.try_recv() {
-                Ok(e) => seen.push(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
+        until_said(&mut events, &mut seen, |e| {
+            matches!(e, EngineEvent::QpError { .. })
+        });
         // Anything else it says within a second, two housekeepings that would send a keepalive
         // on an idle connection (a second QP error would be a bug).
         std::thread::sleep(Duration::from_secs(1));
