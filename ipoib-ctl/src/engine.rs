@@ -84,7 +84,8 @@ pub struct EngineStats {
     pub tx_bytes: AtomicU64,
     /// The longest message posted.
     pub tx_largest: AtomicU64,
-    /// Unicast packets for an address with no connection (dropped).
+    /// Unicast packets for an address with no connection, or whose connection failed
+    /// (dropped).
     pub tx_no_connection: AtomicU64,
     /// Multicast and broadcast packets (dropped: they always go UD; only the kernel's own
     /// chatter on the TUN device, never what the fast path redirects, lands here).
@@ -101,7 +102,11 @@ pub struct EngineStats {
     pub send_errors: AtomicU64,
     pub rx_packets: AtomicU64,
     pub rx_bytes: AtomicU64,
+    /// Receives that failed (not flushed): each one its QP's failure.
     pub rx_errors: AtomicU64,
+    /// Receives flushed because their QP was closing or had failed (a connection's ring
+    /// flushes its buffers when it closes): not errors.
+    pub rx_flushed: AtomicU64,
     /// Writes into the TUN device that failed.
     pub rx_tun_errors: AtomicU64,
     /// Receive buffers the SRQ refused when posted again (each one fewer on the SRQ).
@@ -146,6 +151,7 @@ impl EngineStats {
             ("rx_packets", g(&self.rx_packets)),
             ("rx_bytes", g(&self.rx_bytes)),
             ("rx_errors", g(&self.rx_errors)),
+            ("rx_flushed", g(&self.rx_flushed)),
             ("rx_tun_errors", g(&self.rx_tun_errors)),
             ("rx_repost_errors", g(&self.rx_repost_errors)),
             ("keepalives_sent", g(&self.keepalives_sent)),
@@ -905,14 +911,24 @@ impl Core {
     /// the SRQ or its connection's ring. A ring's receive flushed in error is not posted again
     /// (its QP is going), nor one whose ring is already gone.
     fn on_receive(&mut self, tun: &Tun, wc: &Completion) -> Result<(), EngineError> {
+        let flushed = wc.error == Some(WC_FLUSHED);
         let Some(buf) = self.res.recv.filled(wc) else {
-            Self::count(&self.stats.rx_errors);
+            // Its ring is gone: a flush after the QP was torn down, or an id of nothing.
+            Self::count(if flushed {
+                &self.stats.rx_flushed
+            } else {
+                &self.stats.rx_errors
+            });
             return Ok(());
         };
         let on_ring = buf.qp().is_some();
         if let Some(status) = wc.error {
-            Self::count(&self.stats.rx_errors);
-            self.on_receive_failed(wc.qp_num, status);
+            if flushed {
+                Self::count(&self.stats.rx_flushed);
+            } else {
+                Self::count(&self.stats.rx_errors);
+                self.on_receive_failed(wc.qp_num, status);
+            }
             if on_ring {
                 return Ok(());
             }
@@ -950,9 +966,6 @@ impl Core {
     /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
     /// says, and is reported the same way, once, its flow marked dead (no more sends posted).
     fn on_receive_failed(&mut self, qpn: u32, status: u32) {
-        if status == WC_FLUSHED {
-            return;
-        }
         let flow = match self.flows.entry(qpn) {
             Entry::Occupied(f) => f.into_mut(),
             Entry::Vacant(v) => {

@@ -456,7 +456,7 @@ fn render_engine(out: &mut String, cm: &crate::connmgr::CmStatus) {
     let _ = writeln!(
         out,
         "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
-         send errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
+         send errors {}, receive errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
         e("tx_packets"),
         human_bytes(e("tx_bytes")),
         e("rx_packets"),
@@ -466,6 +466,7 @@ fn render_engine(out: &mut String, cm: &crate::connmgr::CmStatus) {
         e("tx_no_connection"),
         e("tx_oversize"),
         e("send_errors"),
+        e("rx_errors"),
         e("tx_congested"),
         cm.srq_low_events
     );
@@ -517,6 +518,40 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("(at most 1048552)"), "{out}");
+    }
+
+    /// Each engine counter under its own words; the drops summed from their three causes;
+    /// flushed receives (a closing connection's ring) not among the errors.
+    #[test]
+    fn the_engine_line_names_each_counter() {
+        let mut cm = crate::connmgr::CmStatus::default();
+        for (i, k) in [
+            "tx_packets",
+            "rx_packets",
+            "tx_backpressure",
+            "tx_no_connection",
+            "tx_oversize",
+            "send_errors",
+            "rx_errors",
+            "rx_flushed",
+            "tx_congested",
+        ]
+        .iter()
+        .enumerate()
+        {
+            cm.engine.insert((*k).into(), 10 + i as u64);
+        }
+        let mut out = String::new();
+        render_engine(&mut out, &cm);
+        for want in [
+            "tx 10 msgs",
+            "rx 11 msgs",
+            "dropped 39 (backpressure 12, no connection 13, oversize 14)",
+            "send errors 15, receive errors 16, congested",
+            "its peer sent UD) 18,",
+        ] {
+            assert!(out.contains(want), "{want:?} not in {out}");
+        }
     }
 
     /// Every row's columns start where the header's do, the longest IPv6 address included.
