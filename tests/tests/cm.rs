@@ -20,7 +20,9 @@ use ipoib_ctl::{
         Cm, Connection, RejectReason, SetupConfig, SetupError,
         wire::{Hello, MSG_LEN, Msg},
     },
-    verbs::{AsyncEvent, RcEndpoint, RcTiming, ReceiveModel, SendRequest, rnr_timer_us},
+    verbs::{
+        AsyncEvent, RcEndpoint, RcTiming, ReceiveModel, SEND_WR_ID, SendRequest, rnr_timer_us,
+    },
 };
 use ipoib_tests::cmlab::{
     COUNTED, Netns, Peer, Pump, Received, Verbs, device, pattern, rdma_resources, registered_mrs,
@@ -924,6 +926,8 @@ fn completions_in_error_tell_a_receive_from_a_send() {
         let data = pattern(1, 1000);
         // SAFETY: nothing posted uses slot 3.
         unsafe { a.send.slot(3)[..data.len()].copy_from_slice(&data) };
+        // An id with the send bit set could not be told from the completion: refused, unposted.
+        assert!(conn.qp.post_send(&a.send, 3, 1000, SEND_WR_ID | 3).is_err());
         conn.qp.post_send(&a.send, 3, 1000, 3).unwrap();
 
         let first_completion = |node: &Verbs| {
