@@ -175,6 +175,8 @@ impl std::fmt::Display for Frozen {
     }
 }
 
+impl std::error::Error for Frozen {}
+
 /// How long a CPU of the VM may be reported stuck before the VM counts as frozen. Seen once
 /// in CI (Debian 6.1 under emulation): ksoftirqd looping in the veth's receive path
 /// (veth_poll, ip_list_rcv, ip_local_deliver) for good, the tests on that CPU's network
@@ -189,8 +191,6 @@ fn lockup_secs(line: &str) -> Option<u64> {
     let after = &rest[rest.find(" stuck for ")? + " stuck for ".len()..];
     after[..after.find("s!")?].parse().ok()
 }
-
-impl std::error::Error for Frozen {}
 
 /// Sends each line of `r` to `tx`, marked as stdout or not.
 fn lines_to(r: impl Read + Send + 'static, stdout: bool, tx: mpsc::Sender<(bool, String)>) {
@@ -245,30 +245,27 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
     lines_to(child.stderr.take().expect("stderr"), false, tx);
     let mut booted = false;
     let quiet = silence();
-    loop {
+    let frozen = loop {
         match rx.recv_timeout(quiet) {
             Ok((true, line)) => {
                 booted |= line.starts_with("==> ");
                 println!("[vm] {line}");
                 on_line(&line);
                 if lockup_secs(&line).is_some_and(|s| s >= LOCKUP) {
-                    // SAFETY: plain kill(2) of the group spawned above.
-                    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
-                    let _ = child.wait();
-                    let _ = std::fs::remove_file(&file);
-                    return Err(Frozen::LockedUp(line).into());
+                    break Some(Frozen::LockedUp(line));
                 }
             }
             Ok((false, line)) => eprintln!("[vm] {line}"),
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                // SAFETY: plain kill(2) of the group spawned above.
-                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
-                let _ = child.wait();
-                let _ = std::fs::remove_file(&file);
-                return Err(Frozen::Silent(quiet).into());
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+            Err(mpsc::RecvTimeoutError::Timeout) => break Some(Frozen::Silent(quiet)),
         }
+    };
+    if let Some(frozen) = frozen {
+        // SAFETY: plain kill(2) of the group spawned above.
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+        let _ = child.wait();
+        let _ = std::fs::remove_file(&file);
+        return Err(frozen.into());
     }
     let status = child.wait()?;
     let _ = std::fs::remove_file(&file);
