@@ -17,7 +17,7 @@ use anyhow::{Result, bail};
 
 use crate::lab::{ctl_path, sibling_exe};
 use ipoib_ctl::{
-    cm::HwAddr,
+    cm::{Cm, Connection, HwAddr, SetupError},
     plan::{CM_BUF_SIZE, CM_BUF_STRIDE},
     verbs::{
         Completion, CompletionQueue, Device, MemoryRegion, RcQueuePair, ReceiveModel, Resources,
@@ -587,4 +587,30 @@ pub fn tun_up(dev: &str, cidr: &str) {
         "65000",
         "up",
     ]);
+}
+
+/// One connection from A to B on loopback TCP, both ends: A's, and the one B's listener took.
+pub fn connect_a_to_b(
+    rt: &tokio::runtime::Runtime,
+    cma: &Arc<Cm>,
+    cmb: &Arc<Cm>,
+) -> (Connection, Connection) {
+    rt.block_on(async {
+        let (addr_b, mut in_b) = listen(cmb).await;
+        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
+        let p = in_b.recv().await.unwrap().1.unwrap();
+        (c, p)
+    })
+}
+
+pub type Incoming =
+    tokio::sync::mpsc::UnboundedReceiver<(SocketAddr, Result<Connection, SetupError>)>;
+
+/// B's handshake served on a loopback port: its address, and each setup it takes.
+pub async fn listen(cm: &Arc<Cm>) -> (SocketAddr, Incoming) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(cm.clone().serve(l, tx));
+    (addr, rx)
 }

@@ -25,8 +25,8 @@ use ipoib_ctl::{
     },
 };
 use ipoib_tests::cmlab::{
-    COUNTED, Netns, Peer, Pump, Received, Verbs, device, pattern, rdma_resources, registered_mrs,
-    settle,
+    COUNTED, Netns, Peer, Pump, Received, Verbs, connect_a_to_b, device, listen, pattern,
+    rdma_resources, registered_mrs, settle,
 };
 
 fn rt() -> tokio::runtime::Runtime {
@@ -256,30 +256,6 @@ fn two_nodes(
     let cma = Arc::new(Cm::new(a.res.clone(), 0x10, cfg_a));
     let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, cfg_b));
     (a, cma, b, cmb)
-}
-
-/// One connection from A to B, both ends: A's, and the one B's listener took.
-fn connect_a_to_b(
-    rt: &tokio::runtime::Runtime,
-    cma: &Arc<Cm>,
-    cmb: &Arc<Cm>,
-) -> (Connection, Connection) {
-    rt.block_on(async {
-        let (addr_b, mut in_b) = listen(cmb).await;
-        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
-        let p = in_b.recv().await.unwrap().1.unwrap();
-        (c, p)
-    })
-}
-
-type Incoming = tokio::sync::mpsc::UnboundedReceiver<(SocketAddr, Result<Connection, SetupError>)>;
-
-async fn listen(cm: &Arc<Cm>) -> (SocketAddr, Incoming) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(cm.clone().serve(l, tx));
-    (addr, rx)
 }
 
 /// Both nodes send a REQ at once: the tie-break leaves exactly one connection, the lower

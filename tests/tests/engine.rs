@@ -24,7 +24,8 @@ use ipoib_ctl::{
     verbs::{ReceiveModel, WC_FLUSHED},
 };
 use ipoib_tests::cmlab::{
-    COUNTED, Netns, Peer, Verbs, device, in_netns, pattern, rdma_resources, settle, tun_up,
+    COUNTED, Netns, Peer, Verbs, connect_a_to_b, device, in_netns, pattern, rdma_resources, settle,
+    tun_up,
 };
 
 const BYTES: usize = 48 << 20;
@@ -246,14 +247,7 @@ fn a_receive_that_fails_is_the_qps_failure_and_the_engine_runs_on() {
             .unwrap();
         let cma = Arc::new(Cm::new(a.res.clone(), 0x10, SetupConfig::default()));
         let cmb = Arc::new(Cm::new(b.res.clone(), 0x20, SetupConfig::default()));
-        let (conn_a, conn_b) = rt.block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = l.local_addr().unwrap();
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            tokio::spawn(cmb.clone().serve(l, tx));
-            let c = cma.connect(addr, cmb.hwaddr()).await.unwrap();
-            (c, rx.recv().await.unwrap().1.unwrap())
-        });
+        let (conn_a, conn_b) = connect_a_to_b(&rt, &cma, &cmb);
         let tun = Tun::create("cmt%d", true).unwrap();
         let mut engine = Engine::new(tun, a.res.clone(), EngineConfig::default()).unwrap();
         let mut events = engine.events();
