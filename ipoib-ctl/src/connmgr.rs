@@ -769,12 +769,13 @@ impl Manager {
             self.core.max_connections(),
             self.opts.ctl_port
         );
-        let path = self.core.ud_path();
         tracing::info!(
-            "{}: the UD path is {path}: {} (a busy peer sends over {:.0} MiB/s in bulk)",
-            self.iface,
-            path.effect(),
-            self.opts.promotion.promote_rate / f64::from(1 << 20)
+            "{}",
+            ud_path_line(
+                &self.iface,
+                self.core.ud_path(),
+                self.opts.promotion.promote_rate
+            )
         );
     }
 
@@ -1339,6 +1340,19 @@ pub fn live_cap(
     plan_max.min(by_count).min(by_memory)
 }
 
+/// The start log's line on the UD path: what it is, what that means for mode `auto`, and the
+/// rate that makes a peer busy where a rate promotes at all (`promote_rate`, bytes/s).
+fn ud_path_line(iface: &str, path: UdPath, promote_rate: f64) -> String {
+    let busy = match path {
+        UdPath::PerPacket => format!(
+            " (a busy peer sends over {:.0} MiB/s in bulk)",
+            promote_rate / f64::from(1 << 20)
+        ),
+        UdPath::Offloaded => String::new(),
+    };
+    format!("{iface}: the UD path is {path}: {}{busy}", path.effect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::live_cap;
@@ -1373,6 +1387,28 @@ mod tests {
             Failure::NoResources
         );
         assert_eq!(f(SetupError::Crossed), Failure::Rejected);
+    }
+
+    /// A rate threshold is named only where a rate promotes: never on an offloaded UD path.
+    #[test]
+    fn the_start_line_names_the_bulk_rate_only_where_it_promotes() {
+        use super::ud_path_line;
+        use crate::promotion::UdPath;
+        let per_packet = ud_path_line("ib0", UdPath::PerPacket, 4.0 * f64::from(1 << 20));
+        assert!(
+            per_packet.starts_with("ib0: the UD path is per-packet: "),
+            "{per_packet}"
+        );
+        assert!(
+            per_packet.ends_with(" (a busy peer sends over 4 MiB/s in bulk)"),
+            "{per_packet}"
+        );
+        let offloaded = ud_path_line("ib0", UdPath::Offloaded, 4.0 * f64::from(1 << 20));
+        assert!(
+            offloaded.starts_with("ib0: the UD path is offloaded: "),
+            "{offloaded}"
+        );
+        assert!(!offloaded.contains("MiB/s"), "{offloaded}");
     }
 
     #[test]
