@@ -245,7 +245,7 @@ pub const PROGRAMS: &[Program] = &[
         "nft",
         "nftables",
         Vm,
-        "blocks the handshake port in a fault test",
+        "blocks the handshake port in a fault test; holds the VM's input hook for a boot",
     ),
     Program {
         name: "vng",
