@@ -25,7 +25,7 @@ use ipoib_common::{
     Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, MAX_UNKNOWN_PEERS, PeerEntry,
     PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason, global_mode, peer_mode, peer_pin,
 };
-use parse::{Frame, PARSE_MAX, ParseError, parse};
+use parse::{Frame, PARSE_MAX, ParseError, key_at, parse};
 
 #[btf_map(name = "ipoib_policy")]
 static POLICY: Array<Policy, 1> = Array::new();
@@ -57,15 +57,17 @@ fn count(reason: Reason, bytes: u64) {
     }
 }
 
-/// Where the traffic of `key` is counted: this CPU's copy of its slot (`slot`, from its
+/// Where the traffic of a peer is counted: this CPU's copy of its slot (`slot`, from its
 /// entry: found without a second hash lookup); else, for a peer with no slot yet, its entry
-/// in the unknown map (one shared copy: counts from CPUs at once may be lost, which only
-/// delays the peer's first tick by that much), created on first sight.
+/// in the unknown map under its key (built by `key` only then: one shared copy, where
+/// counts from CPUs at once may be lost, which only delays the peer's first tick by that
+/// much), created on first sight.
 #[inline(always)]
-fn traffic(key: &PeerKey, slot: u32) -> Option<*mut PeerTraffic> {
+fn traffic(slot: u32, key: impl Fn() -> PeerKey) -> Option<*mut PeerTraffic> {
     if slot != 0 {
         return TRAFFIC.get_ptr_mut(slot);
     }
+    let key = &key();
     if let Some(t) = UNKNOWN.get_ptr_mut(key) {
         return Some(t);
     }
@@ -180,16 +182,22 @@ fn egress(ctx: &TcContext) -> i32 {
         0
     };
     // The one hash lookup: the peer's entry decides its path and names its traffic slot.
-    // One copy of the key, which both lookups below are given.
-    let dst = frame.dst;
-    let peer = if unicast { Peer::of(&dst) } else { Peer::NONE };
+    // The key is built where it is used: here, and in `traffic` for a peer with no slot yet.
+    // (Built once ahead for every packet, it was zeroed for the packets that are not
+    // unicast by a call to a byte-at-a-time memset.)
+    let dst = || key_at(ctx.data(), ctx.data_end(), frame.family, frame.dst_at);
+    let peer = if unicast {
+        Peer::of(&dst())
+    } else {
+        Peer::NONE
+    };
     let mut verdict = decide(&frame, policy, &peer, l3_len, now);
     if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, verdict.cm_ifindex) {
         verdict = Verdict::ud(Reason::TxUdCmDeviceGone, kernel_cm_forbidden(policy));
     }
     count(verdict.reason, l3_len);
 
-    if unicast && let Some(t) = traffic(&dst, peer.entry.traffic_slot) {
+    if unicast && let Some(t) = traffic(peer.entry.traffic_slot, dst) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe {
             if verdict.reason == Reason::TxCmRedirect {
@@ -329,10 +337,10 @@ fn ingress(ctx: &XdpContext) -> u32 {
     }
     let l3_len = (len - frame.l2_len) as u64;
     // The one hash lookup, for the block and the traffic slot.
-    let src = frame.src;
-    let peer = Peer::of(&src);
+    let src = || key_at(ctx.data(), ctx.data_end(), frame.family, frame.src_at);
+    let peer = Peer::of(&src());
     let blocked = policy.any_blocked != 0 && peer.found && peer.entry.pin == peer_pin::BLOCK;
-    if let Some(t) = traffic(&src, peer.entry.traffic_slot) {
+    if let Some(t) = traffic(peer.entry.traffic_slot, src) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe {
             if blocked {

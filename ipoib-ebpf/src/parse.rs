@@ -9,9 +9,9 @@
 use core::mem::size_of;
 
 use ipoib_common::{
-    ARPHRD_ETHER, ARPHRD_INFINIBAND, ETH_HLEN, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, ICMPV6_ND_FIRST,
-    ICMPV6_ND_LAST, IPOIB_FLAG_RC, IPOIB_GID_OFFSET, IPOIB_HARD_LEN, IPOIB_HWADDR_LEN,
-    IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, PeerKey, Reason,
+    ARPHRD_ETHER, ARPHRD_INFINIBAND, ETH_HLEN, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, FAMILY_IPV4,
+    FAMILY_IPV6, ICMPV6_ND_FIRST, ICMPV6_ND_LAST, IPOIB_FLAG_RC, IPOIB_GID_OFFSET, IPOIB_HARD_LEN,
+    IPOIB_HWADDR_LEN, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, PeerKey, Reason,
 };
 
 /// The deepest byte any parse reads: IPoIB header, IPv4 with the longest options, TCP.
@@ -37,12 +37,15 @@ pub struct Frame {
     /// Multicast or broadcast, at L2 or at L3.
     pub multicast: bool,
     pub ethertype: u16,
-    /// An IP packet: `dst` and `src` hold its peers (all zeros otherwise). Not
-    /// `Option<PeerKey>`: the payload of a `None` is undefined, and copies of undefined bytes
-    /// may come from a register holding a pointer, a spill the verifier refuses.
+    /// An IP packet, of `family` ([`FAMILY_IPV4`] or [`FAMILY_IPV6`]), whose destination
+    /// and source addresses lie at `dst_at` and `src_at` in the frame. Offsets, not keys: a
+    /// program builds the one key it needs with [`key_at`]. (Two 20-byte keys carried through
+    /// the parse's branches were compiled into a spill and a reload per byte, more
+    /// instructions than the rest of the parse.)
     pub ip: bool,
-    pub dst: PeerKey,
-    pub src: PeerKey,
+    pub family: u8,
+    pub dst_at: usize,
+    pub src_at: usize,
     /// ICMPv6 Neighbor Discovery (RFC 4755: must go over UD).
     pub neighbor_discovery: bool,
     /// TCP to or from the CM handshake port.
@@ -76,6 +79,52 @@ fn ptr_at<T>(data: usize, data_end: usize, offset: usize) -> Result<*const T, Pa
     Ok((data + offset) as *const T)
 }
 
+/// The peer key of the `family` address at `at` in the frame (see [`Frame::ip`]); all zeros
+/// where there is none. The parse has checked the bounds; `ptr_at` checks them again for the
+/// verifier, which does not carry them across the program.
+///
+/// Built as five 4-byte words: built field by field, the compiler zeroed the key's padding
+/// and tail with calls to a byte-at-a-time `memset` (and copied an IPv6 address with
+/// `memcpy`), more instructions than the rest of the key's way to the lookup.
+#[inline(always)]
+pub fn key_at(data: usize, data_end: usize, family: u8, at: usize) -> PeerKey {
+    // One way out, every word a scalar: a key returned whole from a branch (all zeros, say)
+    // was zeroed by a call to memset again.
+    let mut w = [0u32; 5];
+    let mut found = 0;
+    match family {
+        FAMILY_IPV4 => {
+            if let Ok(a) = ptr_at::<[u8; 4]>(data, data_end, at) {
+                // SAFETY: bounds checked by ptr_at.
+                w[0] = u32::from_ne_bytes(unsafe { *a });
+                found = family;
+            }
+        }
+        FAMILY_IPV6 => {
+            if let Ok(a) = ptr_at::<[[u8; 4]; 4]>(data, data_end, at) {
+                // SAFETY: bounds checked by ptr_at.
+                let a = unsafe { &*a };
+                w[0] = u32::from_ne_bytes(a[0]);
+                w[1] = u32::from_ne_bytes(a[1]);
+                w[2] = u32::from_ne_bytes(a[2]);
+                w[3] = u32::from_ne_bytes(a[3]);
+                found = family;
+            }
+        }
+        _ => {}
+    }
+    w[4] = u32::from_ne_bytes([found, 0, 0, 0]);
+    key_of(w)
+}
+
+/// Five words as a key (`family` and `_pad` are the fifth); all zeros is [`PeerKey::ZERO`].
+#[inline(always)]
+pub fn key_of(w: [u32; 5]) -> PeerKey {
+    // SAFETY: PeerKey is 20 bytes of plain integers, aligned to 4 (its layout is tested in
+    // ipoib-common), so any five words are a PeerKey.
+    unsafe { core::mem::transmute::<[u32; 5], PeerKey>(w) }
+}
+
 #[inline(always)]
 fn be16(b: [u8; 2]) -> u16 {
     u16::from_be_bytes(b)
@@ -97,8 +146,9 @@ pub fn parse(
         multicast: false,
         ethertype: 0,
         ip: false,
-        dst: PeerKey::ZERO,
-        src: PeerKey::ZERO,
+        family: 0,
+        dst_at: 0,
+        src_at: 0,
         neighbor_discovery: false,
         control: false,
     };
@@ -136,10 +186,11 @@ pub fn parse(
             if ihl < 20 {
                 return Err(ParseError::Malformed);
             }
-            let dst = [ip[16], ip[17], ip[18], ip[19]];
             f.ip = true;
-            f.dst = PeerKey::v4(dst);
-            f.src = PeerKey::v4([ip[12], ip[13], ip[14], ip[15]]);
+            f.family = FAMILY_IPV4;
+            f.dst_at = l2 + 16;
+            f.src_at = l2 + 12;
+            let dst = [ip[16], ip[17], ip[18], ip[19]];
             if dst[0] & 0xf0 == 0xe0 || dst == [0xff; 4] {
                 f.multicast = true;
             }
@@ -156,14 +207,11 @@ pub fn parse(
             if ip[0] >> 4 != 6 {
                 return Err(ParseError::Malformed);
             }
-            let mut src = [0u8; 16];
-            let mut dst = [0u8; 16];
-            src.copy_from_slice(&ip[8..24]);
-            dst.copy_from_slice(&ip[24..40]);
-            f.multicast |= dst[0] == 0xff;
+            f.multicast |= ip[24] == 0xff;
             f.ip = true;
-            f.dst = PeerKey::v6(dst);
-            f.src = PeerKey::v6(src);
+            f.family = FAMILY_IPV6;
+            f.dst_at = l2 + 24;
+            f.src_at = l2 + 8;
             (ip[6], l2 + 40)
         }
         _ => return Ok(f),
