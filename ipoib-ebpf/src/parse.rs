@@ -53,7 +53,7 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// Sent to one peer (`dst`): unicast IP.
+    /// Sent to one peer (the address at `dst_at`): unicast IP.
     #[inline(always)]
     pub fn unicast(&self) -> bool {
         self.ip && !self.multicast
