@@ -120,14 +120,22 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
                 .filter(|(n, _)| seen.unfinished(n))
                 .cloned()
                 .collect();
-            println!(
-                "==> {e}: booting it again (once) for {} (passed before: {}; failed before: {})",
-                listed(rest.iter().map(|(n, _)| n.as_str())),
+            let before = format!(
+                "passed before: {}; failed before: {}",
                 listed(seen.passed.iter().map(String::as_str)),
                 listed(seen.failed.iter().map(String::as_str)),
             );
-            run(root, &test_script(&rest, filters, nocapture), |_| {})
-                .context("tests failed inside the VM (second boot)")?;
+            if rest.is_empty() {
+                // Frozen after the last binary's summary (on its way down).
+                println!("==> {e}: every binary had finished ({before})");
+            } else {
+                println!(
+                    "==> {e}: booting it again (once) for {} ({before})",
+                    listed(rest.iter().map(|(n, _)| n.as_str())),
+                );
+                run(root, &test_script(&rest, filters, nocapture), |_| {})
+                    .context("tests failed inside the VM (second boot)")?;
+            }
             if !seen.failed.is_empty() {
                 bail!(
                     "tests failed inside the VM before it froze: {}",
