@@ -81,16 +81,12 @@ fn ptr_at<T>(data: usize, data_end: usize, offset: usize) -> Result<*const T, Pa
 
 /// The peer key of the `family` address at `at` in the frame (see [`Frame::ip`]); all zeros
 /// where there is none. The parse has checked the bounds; `ptr_at` checks them again for the
-/// verifier, which does not carry them across the program.
-///
-/// Built as five 4-byte words: built field by field, the compiler zeroed the key's padding
-/// and tail with calls to a byte-at-a-time `memset` (and copied an IPv6 address with
-/// `memcpy`), more instructions than the rest of the key's way to the lookup.
+/// verifier, which does not carry them across the program. Built of words
+/// ([`PeerKey::of_words`]), with one way out so that every word stays a scalar: a key returned
+/// whole from a branch (all zeros, say) was zeroed by a call to `memset` again.
 #[inline(always)]
 pub fn key_at(data: usize, data_end: usize, family: u8, at: usize) -> PeerKey {
-    // One way out, every word a scalar: a key returned whole from a branch (all zeros, say)
-    // was zeroed by a call to memset again.
-    let mut w = [0u32; 5];
+    let mut w = [0u32; 4];
     let mut found = 0;
     match family {
         FAMILY_IPV4 => {
@@ -104,25 +100,18 @@ pub fn key_at(data: usize, data_end: usize, family: u8, at: usize) -> PeerKey {
             if let Ok(a) = ptr_at::<[[u8; 4]; 4]>(data, data_end, at) {
                 // SAFETY: bounds checked by ptr_at.
                 let a = unsafe { &*a };
-                w[0] = u32::from_ne_bytes(a[0]);
-                w[1] = u32::from_ne_bytes(a[1]);
-                w[2] = u32::from_ne_bytes(a[2]);
-                w[3] = u32::from_ne_bytes(a[3]);
+                w = [
+                    u32::from_ne_bytes(a[0]),
+                    u32::from_ne_bytes(a[1]),
+                    u32::from_ne_bytes(a[2]),
+                    u32::from_ne_bytes(a[3]),
+                ];
                 found = family;
             }
         }
         _ => {}
     }
-    w[4] = u32::from_ne_bytes([found, 0, 0, 0]);
-    key_of(w)
-}
-
-/// Five words as a key (`family` and `_pad` are the fifth); all zeros is [`PeerKey::ZERO`].
-#[inline(always)]
-pub fn key_of(w: [u32; 5]) -> PeerKey {
-    // SAFETY: PeerKey is 20 bytes of plain integers, aligned to 4 (its layout is tested in
-    // ipoib-common), so any five words are a PeerKey.
-    unsafe { core::mem::transmute::<[u32; 5], PeerKey>(w) }
+    PeerKey::of_words(w, found)
 }
 
 #[inline(always)]
