@@ -367,13 +367,11 @@ fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
 fn goes_on_over_ud(a: &Node, peer: &str, fell: &PeerView) {
     std::thread::sleep(Duration::from_secs(3));
     let t = Instant::now();
-    let mut on_ud = a.peer(peer).unwrap().unwrap();
-    let moved = |v: &PeerView| v.traffic.tx_ud_bytes > fell.traffic.tx_ud_bytes + (1 << 20);
-    while !moved(&on_ud) && t.elapsed() < Duration::from_secs(12) {
-        std::thread::sleep(Duration::from_millis(100));
-        on_ud = a.peer(peer).unwrap().unwrap();
-    }
-    assert!(moved(&on_ud), "the flow did not go on over UD: {on_ud:?}");
+    let on_ud = || a.peer(peer).unwrap().unwrap();
+    let moved = wait_until(Duration::from_secs(12), || {
+        on_ud().traffic.tx_ud_bytes > fell.traffic.tx_ud_bytes + (1 << 20)
+    });
+    assert!(moved, "the flow did not go on over UD: {:?}", on_ud());
     if t.elapsed() > Duration::from_millis(200) {
         eprintln!(
             "the flow went on over UD {:.1?} after the first 3 s",
