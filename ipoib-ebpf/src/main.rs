@@ -17,13 +17,14 @@ mod parse;
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_OK, xdp_action},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
-    helpers::{bpf_check_mtu, bpf_ktime_get_coarse_ns, bpf_redirect},
+    helpers::{bpf_check_mtu, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_redirect},
     macros::{btf_map, classifier, xdp},
     programs::{TcContext, XdpContext},
 };
 use ipoib_common::{
     Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, MAX_UNKNOWN_PEERS, PeerEntry,
-    PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason, global_mode, peer_mode, peer_pin,
+    PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason, TickCache, global_mode, peer_mode,
+    peer_pin,
 };
 use parse::{Frame, PARSE_MAX, ParseError, key_at, parse};
 
@@ -45,6 +46,44 @@ static UNKNOWN: LruHashMap<PeerKey, PeerTraffic, { MAX_UNKNOWN_PEERS as usize }>
 
 #[btf_map(name = "ipoib_reasons")]
 static REASONS: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArray::new();
+
+#[btf_map(name = "ipoib_tick")]
+static TICK: PerCpuArray<TickCache, 1> = PerCpuArray::new();
+
+/// This CPU's cache for the current jiffy (see [`TickCache`]), cleared when jiffies moved.
+#[inline(always)]
+fn tick() -> Option<*mut TickCache> {
+    // SAFETY: no arguments; the verifier turns it into a load of jiffies_64.
+    let jiffies = unsafe { bpf_jiffies64() };
+    let c = TICK.get_ptr_mut(0)?;
+    // SAFETY: this CPU's copy; see `count`.
+    unsafe {
+        if (*c).jiffies != jiffies {
+            // Field by field: a whole struct assigned compiles to a call to memset.
+            (*c).jiffies = jiffies;
+            (*c).coarse_ns = 0;
+            (*c).live_ifindex = 0;
+        }
+    }
+    Some(c)
+}
+
+/// CLOCK_MONOTONIC_COARSE in ns, asked of the kernel once per jiffy on each CPU (`tick`, from
+/// [`tick`]): a tick's resolution is plenty for last-seen times and a deadline of seconds.
+#[inline(always)]
+fn coarse_now(tick: Option<*mut TickCache>) -> u64 {
+    let Some(c) = tick else {
+        // SAFETY: no arguments.
+        return unsafe { bpf_ktime_get_coarse_ns() };
+    };
+    // SAFETY: this CPU's copy; see `count`.
+    unsafe {
+        if (*c).coarse_ns == 0 {
+            (*c).coarse_ns = bpf_ktime_get_coarse_ns();
+        }
+        (*c).coarse_ns
+    }
+}
 
 #[inline(always)]
 fn count(reason: Reason, bytes: u64) {
@@ -172,14 +211,13 @@ fn egress(ctx: &TcContext) -> i32 {
         }
     };
     let l3_len = (len - frame.l2_len) as u64;
-    // The coarse clock (a tick's resolution) is plenty for last-seen and a deadline of
-    // seconds, and cheaper than bpf_ktime_get_ns. Read once, and only for unicast IP: the
-    // only packets that use it.
+    // Read once, and only for unicast IP: the only packets that use it.
     let unicast = frame.unicast();
-    let now = if unicast {
-        unsafe { bpf_ktime_get_coarse_ns() }
+    let (tick, now) = if unicast {
+        let t = tick();
+        (t, coarse_now(t))
     } else {
-        0
+        (None, 0)
     };
     // The one hash lookup: the peer's entry decides its path and names its traffic slot.
     // The key is built where it is used: here, and in `traffic` for a peer with no slot yet.
@@ -192,7 +230,7 @@ fn egress(ctx: &TcContext) -> i32 {
         Peer::NONE
     };
     let mut verdict = decide(&frame, policy, &peer, l3_len, now);
-    if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, verdict.cm_ifindex) {
+    if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, tick, verdict.cm_ifindex) {
         verdict = Verdict::ud(Reason::TxUdCmDeviceGone, kernel_cm_forbidden(policy));
     }
     count(verdict.reason, l3_len);
@@ -281,13 +319,27 @@ fn kernel_cm_forbidden(policy: &Policy) -> bool {
 /// control loop's TUN, which dies with the process: a redirect to it after a crash would drop
 /// every packet until the heartbeat deadline. bpf_check_mtu looks the device up by index and
 /// answers -ENODEV when there is none (Linux 5.12+; its other answers, about the length, do
-/// not matter here).
+/// not matter here). A device found is remembered for the rest of the tick on this CPU
+/// (`tick`, from [`tick`]): one that dies is redirected to for at most that long.
 #[inline(always)]
-fn device_exists(ctx: &TcContext, ifindex: u32) -> bool {
+fn device_exists(ctx: &TcContext, tick: Option<*mut TickCache>, ifindex: u32) -> bool {
+    // SAFETY: this CPU's copy; see `count`.
+    if let Some(c) = tick
+        && unsafe { (*c).live_ifindex } == ifindex
+    {
+        return true;
+    }
     let mut mtu_len: u32 = 0;
     // SAFETY: the helper reads the skb of this program's context and writes mtu_len.
     let rc = unsafe { bpf_check_mtu(ctx.skb.skb.cast(), ifindex, &mut mtu_len, 0, 0) };
-    rc >= 0
+    if rc < 0 {
+        return false;
+    }
+    if let Some(c) = tick {
+        // SAFETY: as above.
+        unsafe { (*c).live_ifindex = ifindex };
+    }
+    true
 }
 
 /// The fail-safe: a control plane that stopped writing its heartbeat gets no CM traffic.
@@ -349,7 +401,7 @@ fn ingress(ctx: &XdpContext) -> u32 {
                 (*t).rx_packets += 1;
                 (*t).rx_bytes += l3_len;
             }
-            (*t).last_seen_ns = bpf_ktime_get_coarse_ns();
+            (*t).last_seen_ns = coarse_now(tick());
         }
     }
     if blocked {

@@ -99,9 +99,11 @@ fn check_cases(h: &mut Harness, cases: Vec<Case>) {
     for c in cases {
         let before = h.reasons();
         let peer_before = h.traffic(c.peer);
+        let coarse_before = coarse_monotonic_ns();
         let out = h
             .egress(&c.frame)
             .unwrap_or_else(|e| panic!("{}: test_run failed: {e}", c.name));
+        let coarse_after = coarse_monotonic_ns();
         let after = h.reasons();
         assert_eq!(out.retval, c.retval, "{}: return value", c.name);
 
@@ -153,9 +155,52 @@ fn check_cases(h: &mut Harness, cases: Vec<Case>) {
             Path::None => assert_eq!((cm, ud), (0, 0), "{}: no peer count", c.name),
         }
         if c.path != Path::None {
-            assert!(peer_after.last_seen_ns > 0, "{}: last_seen", c.name);
+            // CLOCK_MONOTONIC_COARSE as the program saw it: at most two ticks behind (its
+            // cache, `TickCache`), never ahead.
+            let seen = peer_after.last_seen_ns;
+            assert!(
+                seen <= coarse_after && seen + 30_000_000 >= coarse_before,
+                "{}: last_seen {seen} not the coarse clock, read as {coarse_before} before and \
+                 {coarse_after} after",
+                c.name
+            );
         }
     }
+}
+
+/// Keeps the calling thread on the CPU it runs on now.
+fn pin_to_this_cpu() {
+    // SAFETY: plain calls on a zeroed cpu_set_t of this thread.
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        assert!(
+            cpu >= 0,
+            "sched_getcpu: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// CLOCK_MONOTONIC_COARSE in ns: the clock the fast path stamps last-seen times with.
+fn coarse_monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid pointer to a timespec.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) },
+        0
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 trait L2Len {
@@ -725,6 +770,62 @@ fn egress_to_a_gone_cm_device_goes_ud() {
             )],
         );
     }
+}
+
+/// The device check is asked of the kernel once per tick on each CPU (`TickCache`): a CM
+/// device that dies (a TUN device, as the control loop's is, closed) is redirected to for at
+/// most the rest of that tick, and is left UD once jiffies have moved.
+#[test]
+fn a_cm_device_that_dies_is_left_within_a_tick() {
+    let Some(mut h) = harness("a_cm_device_that_dies_is_left_within_a_tick", Link::Ipoib) else {
+        return;
+    };
+    let tun = ipoib_ctl::tun::Tun::create("ipoibtick%d", false).expect("a TUN device");
+    let name = std::ffi::CString::new(tun.name()).unwrap();
+    // SAFETY: a valid C string.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0, "{}: no ifindex", tun.name());
+    let key = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>().unwrap());
+    let entry = h.dp.maps.peer(&key).unwrap().expect("installed");
+    h.dp.maps
+        .set_peer(
+            key,
+            PeerEntry {
+                cm_ifindex: ifindex,
+                ..entry
+            },
+        )
+        .unwrap();
+    h.beat();
+    // The cache is per CPU: every run on one CPU, so that the last meets what the first left.
+    pin_to_this_cpu();
+    let big = || tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    let cm = |name| {
+        case(
+            name,
+            big(),
+            Reason::TxCmRedirect,
+            false,
+            "10.0.0.2",
+            Path::Cm,
+        )
+    };
+    // Twice: the second is answered from the cache (within this tick, mostly).
+    check_cases(&mut h, vec![cm("the TUN device alive"), cm("still alive")]);
+    drop(tun);
+    // Ticks are 1 to 10 ms (HZ 1000 to 100).
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    check_cases(
+        &mut h,
+        vec![case(
+            "the TUN device closed",
+            big(),
+            Reason::TxUdCmDeviceGone,
+            true,
+            "10.0.0.2",
+            Path::Ud,
+        )],
+    );
 }
 
 #[test]
