@@ -156,6 +156,16 @@ fn main() -> Result<()> {
         args.rounds,
         kernel_release()
     );
+    // Ratios differ from machine to machine mostly with what a call costs: every helper and
+    // map lookup is one, and a kernel that returns through a thunk pays for each.
+    let cpu = cpu_facts();
+    println!(
+        "CPU {}; returns: {} (SRSO), {} (Retbleed); indirect calls: {}",
+        cpu["model"].as_str().unwrap_or("?"),
+        cpu["spec_rstack_overflow"].as_str().unwrap_or("?"),
+        cpu["retbleed"].as_str().unwrap_or("?"),
+        cpu["spectre_v2"].as_str().unwrap_or("?"),
+    );
     println!(
         "{:<44} {:>9} {:>9} {:>6}   {:>9} {:>9} {:>6}",
         "scenario", "egress", "trivial", "ratio", "ingress", "trivial", "ratio"
@@ -190,6 +200,7 @@ fn main() -> Result<()> {
         let doc = serde_json::json!({
             "bench": "datapath",
             "kernel": kernel_release(),
+            "cpu": cpu,
             "repeat": args.repeat,
             "rounds": args.rounds,
             "target": TARGET,
@@ -200,6 +211,29 @@ fn main() -> Result<()> {
         println!("saved {}", out.display());
     }
     Ok(())
+}
+
+/// The CPU's model and the kernel's mitigations that change what a call or a return costs.
+fn cpu_facts() -> serde_json::Value {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let vuln = |name: &str| {
+        std::fs::read_to_string(format!("/sys/devices/system/cpu/vulnerabilities/{name}"))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into())
+    };
+    serde_json::json!({
+        "model": model,
+        "spec_rstack_overflow": vuln("spec_rstack_overflow"),
+        "retbleed": vuln("retbleed"),
+        "spectre_v2": vuln("spectre_v2"),
+    })
 }
 
 fn kernel_release() -> String {
