@@ -348,7 +348,8 @@ pub struct Heartbeat {
 /// `bpf_jiffies64`, which the verifier inlines as a load; a new jiffy clears the rest.
 /// * `coarse_ns`: CLOCK_MONOTONIC_COARSE as `bpf_ktime_get_coarse_ns` gave it (0: not read
 ///   yet). That clock moves only on a tick, when jiffies moves; a read that raced the tick's
-///   update lags a tick more, until the next one.
+///   update (jiffies moved, the clock not yet) lags by what that update brought (a tick, or
+///   the ticks an idle system skipped) until jiffies moves again.
 /// * `live_ifindex`: a device found to exist (0: none yet), the CM device that egress
 ///   redirects to. A device that dies is redirected to for at most the rest of the tick.
 #[repr(C)]
