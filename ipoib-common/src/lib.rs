@@ -335,7 +335,8 @@ impl Policy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Heartbeat {
     /// CLOCK_MONOTONIC in ns. The fast path compares it with CLOCK_MONOTONIC_COARSE, the
-    /// same clock at most two ticks behind (see [`TickCache`]). Zero: never written.
+    /// same clock at a tick's resolution, read once per tick (see [`TickCache`]). Zero: never
+    /// written.
     pub monotonic_ns: u64,
     /// pid of the process that wrote it.
     pub writer_pid: u32,
@@ -373,7 +374,7 @@ pub struct PeerTraffic {
     pub rx_packets: u64,
     pub rx_bytes: u64,
     pub rx_dropped: u64,
-    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC, tick resolution) of the last packet.
+    /// CLOCK_MONOTONIC_COARSE (tick resolution, see [`TickCache`]) at the last packet.
     pub last_seen_ns: u64,
 }
 
