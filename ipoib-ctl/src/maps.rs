@@ -132,12 +132,13 @@ impl DatapathMaps {
             .map_err(in_map(map_names::HEARTBEAT))
     }
 
-    /// Stamps the heartbeat the fast path's fail-safe reads.
+    /// Stamps the heartbeat the fast path's fail-safe reads. `peers_stamp` goes back to 0:
+    /// the new `monotonic_ns` alone makes the heartbeat one the peer cache has not seen.
     pub fn beat(&mut self, monotonic_ns: u64) -> Result<()> {
         let hb = Heartbeat {
             monotonic_ns,
             writer_pid: std::process::id(),
-            _pad: [0; 4],
+            peers_stamp: 0,
         };
         self.heartbeat
             .set(0, hb, 0)
@@ -147,7 +148,31 @@ impl DatapathMaps {
     pub fn set_peer(&mut self, key: PeerKey, entry: PeerEntry) -> Result<()> {
         self.peers
             .insert(key, entry, 0)
-            .map_err(in_map(map_names::PEERS))
+            .map_err(in_map(map_names::PEERS))?;
+        self.peers_changed()
+    }
+
+    /// Tells the fast path that the peers map changed, after every write to it: a new
+    /// `peers_stamp` in the heartbeat, its other fields as they are (a write to the peers
+    /// map is no sign of life: the fail-safe must not hear one). The programs' per-CPU cache
+    /// of peer entries holds only while the heartbeat is unchanged. The stamp is the clock's
+    /// low bits, so two writers at once (the loop, a `set-policy`) leave different stamps.
+    fn peers_changed(&mut self) -> Result<()> {
+        let hb = self.heartbeat()?;
+        let mut stamp = crate::clock::monotonic_ns() as u32;
+        if stamp == hb.peers_stamp {
+            stamp = stamp.wrapping_add(1);
+        }
+        self.heartbeat
+            .set(
+                0,
+                Heartbeat {
+                    peers_stamp: stamp,
+                    ..hb
+                },
+                0,
+            )
+            .map_err(in_map(map_names::HEARTBEAT))
     }
 
     /// One peer's entry; `None` when the control plane has none for it.
@@ -162,7 +187,7 @@ impl DatapathMaps {
     /// Removes a peer's entry; a peer that has none is not an error.
     pub fn remove_peer(&mut self, key: &PeerKey) -> Result<()> {
         match self.peers.remove(key) {
-            Ok(()) => Ok(()),
+            Ok(()) => self.peers_changed(),
             Err(MapError::KeyNotFound) => Ok(()),
             Err(e) => Err(in_map(map_names::PEERS)(e)),
         }

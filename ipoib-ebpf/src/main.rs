@@ -22,9 +22,9 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use ipoib_common::{
-    Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, MAX_UNKNOWN_PEERS, PeerEntry,
-    PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason, TickCache, global_mode, peer_mode,
-    peer_pin,
+    Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, MAX_UNKNOWN_PEERS,
+    PEER_CACHE_SLOTS, PeerCacheSlot, PeerEntry, PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason,
+    TickCache, global_mode, peer_cache, peer_mode, peer_pin,
 };
 use parse::{Frame, PARSE_MAX, ParseError, key_at, parse};
 
@@ -49,6 +49,9 @@ static REASONS: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArray::n
 
 #[btf_map(name = "ipoib_tick")]
 static TICK: PerCpuArray<TickCache, 1> = PerCpuArray::new();
+
+#[btf_map(name = "ipoib_peercache")]
+static PEER_CACHE: PerCpuArray<PeerCacheSlot, { PEER_CACHE_SLOTS as usize }> = PerCpuArray::new();
 
 /// This CPU's cache for the current jiffy (see [`TickCache`]), cleared when jiffies moved.
 #[inline(always)]
@@ -138,8 +141,55 @@ impl Peer {
         },
     };
 
+    /// The peers map's answer for `key`: from this CPU's cache when its slot holds that key
+    /// under the heartbeat `hb` (a read of an inlined array, no hash lookup), else the
+    /// lookup, which fills the slot. Every write to the peers map changes the heartbeat
+    /// ([`Heartbeat::peers_stamp`]), so a slot never outlives the entry it copied.
     #[inline(always)]
-    fn of(key: &PeerKey) -> Self {
+    fn of(key: &PeerKey, hb: Option<&Heartbeat>) -> Self {
+        let (Some(hb), Some(s)) = (hb, PEER_CACHE.get_ptr_mut(key.cache_slot())) else {
+            return Self::lookup(key);
+        };
+        // The heartbeat as it is now, read once, before the lookup: the control plane may
+        // write it at any time, and a slot filled with what the lookup found must carry the
+        // heartbeat from before the lookup (at worst an older one, which the next packet
+        // misses), never one a later write to the peers map left (that would keep an entry
+        // older than the write until the next beat).
+        // SAFETY: a map value; plain loads of aligned integers.
+        let (hb_ns, hb_stamp) = unsafe {
+            (
+                core::ptr::read_volatile(&hb.monotonic_ns),
+                core::ptr::read_volatile(&hb.peers_stamp),
+            )
+        };
+        // SAFETY: this CPU's slot; see `count`.
+        unsafe {
+            // An empty slot (zeros) is not asked about: it matches only the zero key (no
+            // address) under a heartbeat never written, and then answers "absent", as the
+            // map would.
+            if (*s).hb_ns == hb_ns && (*s).hb_peers_stamp == hb_stamp && (*s).key.same(key) {
+                return Self {
+                    found: (*s).state == peer_cache::FOUND,
+                    entry: (*s).entry,
+                };
+            }
+            let peer = Self::lookup(key);
+            (*s).hb_ns = hb_ns;
+            (*s).hb_peers_stamp = hb_stamp;
+            (*s).state = if peer.found {
+                peer_cache::FOUND
+            } else {
+                peer_cache::ABSENT
+            };
+            (*s).key = *key;
+            (*s).entry = peer.entry;
+            peer
+        }
+    }
+
+    /// The one hash lookup.
+    #[inline(always)]
+    fn lookup(key: &PeerKey) -> Self {
         match PEERS.get_ptr(key) {
             // SAFETY: a map value the control plane replaces whole; read once.
             Some(p) => Self {
@@ -219,17 +269,18 @@ fn egress(ctx: &TcContext) -> i32 {
     } else {
         (None, 0)
     };
-    // The one hash lookup: the peer's entry decides its path and names its traffic slot.
-    // The key is built where it is used: here, and in `traffic` for a peer with no slot yet.
-    // (Built once ahead for every packet, it was zeroed for the packets that are not
-    // unicast by a call to a byte-at-a-time memset.)
+    // At most one hash lookup (none when this CPU's cache has the peer): the peer's entry
+    // decides its path and names its traffic slot. The key is built where it is used: here,
+    // and in `traffic` for a peer with no slot yet. (Built once ahead for every packet, it
+    // was zeroed for the packets that are not unicast by a call to a byte-at-a-time memset.)
     let dst = || key_at(ctx.data(), ctx.data_end(), frame.family, frame.dst_at);
+    let hb = HEARTBEAT.get(0);
     let peer = if unicast {
-        Peer::of(&dst())
+        Peer::of(&dst(), hb)
     } else {
         Peer::NONE
     };
-    let mut verdict = decide(&frame, policy, &peer, l3_len, now);
+    let mut verdict = decide(&frame, policy, hb, &peer, l3_len, now);
     if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, tick, verdict.cm_ifindex) {
         verdict = Verdict::ud(Reason::TxUdCmDeviceGone, kernel_cm_forbidden(policy));
     }
@@ -263,7 +314,14 @@ fn egress(ctx: &TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn decide(frame: &Frame, policy: &Policy, peer: &Peer, l3_len: u64, now: u64) -> Verdict {
+fn decide(
+    frame: &Frame,
+    policy: &Policy,
+    hb: Option<&Heartbeat>,
+    peer: &Peer,
+    l3_len: u64,
+    now: u64,
+) -> Verdict {
     if !frame.ip {
         // Not IP (ARP, or an ethertype we do not handle): the kernel sends it UD itself.
         return Verdict::ud(frame.non_ip_reason(), false);
@@ -299,7 +357,7 @@ fn decide(frame: &Frame, policy: &Policy, peer: &Peer, l3_len: u64, now: u64) ->
     if small {
         return Verdict::ud(Reason::TxUdSmall, global_forbids);
     }
-    if heartbeat_stale(policy, now) {
+    if heartbeat_stale(policy, hb, now) {
         return Verdict::ud(Reason::TxUdHeartbeatStale, global_forbids);
     }
     Verdict {
@@ -344,8 +402,8 @@ fn device_exists(ctx: &TcContext, tick: Option<*mut TickCache>, ifindex: u32) ->
 
 /// The fail-safe: a control plane that stopped writing its heartbeat gets no CM traffic.
 #[inline(always)]
-fn heartbeat_stale(policy: &Policy, now: u64) -> bool {
-    let Some(hb) = HEARTBEAT.get(0) else {
+fn heartbeat_stale(policy: &Policy, hb: Option<&Heartbeat>, now: u64) -> bool {
+    let Some(hb) = hb else {
         return true;
     };
     if hb.monotonic_ns == 0 {
@@ -388,9 +446,9 @@ fn ingress(ctx: &XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     }
     let l3_len = (len - frame.l2_len) as u64;
-    // The one hash lookup, for the block and the traffic slot.
+    // At most one hash lookup (see egress), for the block and the traffic slot.
     let src = || key_at(ctx.data(), ctx.data_end(), frame.family, frame.src_at);
-    let peer = Peer::of(&src());
+    let peer = Peer::of(&src(), HEARTBEAT.get(0));
     let blocked = policy.any_blocked != 0 && peer.found && peer.entry.pin == peer_pin::BLOCK;
     if let Some(t) = traffic(peer.entry.traffic_slot, src) {
         // SAFETY: this CPU's slot; see `count`.

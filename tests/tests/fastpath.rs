@@ -763,7 +763,8 @@ fn egress_to_a_gone_cm_device_goes_ud() {
 /// most the rest of that tick, and is left UD once jiffies have moved.
 #[test]
 fn a_cm_device_that_dies_is_left_within_a_tick() {
-    let Some(mut h) = harness("a_cm_device_that_dies_is_left_within_a_tick", Link::Ipoib) else {
+    let Some((mut h, key, entry)) = pinned_harness("a_cm_device_that_dies_is_left_within_a_tick")
+    else {
         return;
     };
     let tun = ipoib_ctl::tun::Tun::create("ipoibtick%d", false).expect("a TUN device");
@@ -771,8 +772,6 @@ fn a_cm_device_that_dies_is_left_within_a_tick() {
     // SAFETY: a valid C string.
     let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
     assert_ne!(ifindex, 0, "{}: no ifindex", tun.name());
-    let key = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>().unwrap());
-    let entry = h.dp.maps.peer(&key).unwrap().expect("installed");
     h.dp.maps
         .set_peer(
             key,
@@ -782,36 +781,223 @@ fn a_cm_device_that_dies_is_left_within_a_tick() {
             },
         )
         .unwrap();
-    h.beat();
-    // The cache is per CPU: every run on one CPU, so that the last meets what the first left.
-    pin_to_this_cpu();
-    let big = || tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
-    let cm = |name| {
-        case(
-            name,
-            big(),
-            Reason::TxCmRedirect,
-            false,
-            "10.0.0.2",
-            Path::Cm,
-        )
-    };
+    let cm = Reason::TxCmRedirect;
     // Twice: the second is answered from the cache (within this tick, mostly).
-    check_cases(&mut h, vec![cm("the TUN device alive"), cm("still alive")]);
+    check_cases(
+        &mut h,
+        vec![
+            big_to_2("the TUN device alive", cm),
+            big_to_2("still alive", cm),
+        ],
+    );
     drop(tun);
     // Ticks are 1 to 10 ms (HZ 1000 to 100).
     std::thread::sleep(std::time::Duration::from_millis(30));
     check_cases(
         &mut h,
-        vec![case(
-            "the TUN device closed",
-            big(),
-            Reason::TxUdCmDeviceGone,
-            true,
-            "10.0.0.2",
-            Path::Ud,
+        vec![big_to_2("the TUN device closed", Reason::TxUdCmDeviceGone)],
+    );
+}
+
+/// A harness with a fresh heartbeat and the thread pinned to the CPU it runs on (the caches are
+/// per CPU: each run meets what the one before it left), with 10.0.0.2's key and entry.
+fn pinned_harness(test: &str) -> Option<(Harness, PeerKey, PeerEntry)> {
+    let mut h = harness(test, Link::Ipoib)?;
+    h.beat();
+    pin_to_this_cpu();
+    let key = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>().unwrap());
+    let entry = h.dp.maps.peer(&key).unwrap().expect("installed");
+    Some((h, key, entry))
+}
+
+/// A big packet to 10.0.0.2 that must meet `reason`: redirected to CM, or sent UD with the RC
+/// flag cleared (kernel CM is forbidden by default).
+fn big_to_2(name: &'static str, reason: Reason) -> Case {
+    let frame = tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    if reason == Reason::TxCmRedirect {
+        case(name, frame, reason, false, "10.0.0.2", Path::Cm)
+    } else {
+        case(name, frame, reason, true, "10.0.0.2", Path::Ud)
+    }
+}
+
+/// Sends `from`'s packet through ingress and returns the verdict.
+fn ingress_verdict(h: &mut Harness, from: &str) -> u32 {
+    let frame = as_ingress(
+        &FrameSpec::tcp(L2::unicast(Link::Ipoib), from, "10.0.0.1", BIG).build(),
+        Link::Ipoib,
+    );
+    h.ingress(&frame).unwrap().retval
+}
+
+/// The programs keep the peers map's answers in a per-CPU cache (`PeerCacheSlot`) that holds
+/// while the heartbeat is unchanged; every write through `DatapathMaps` changes it
+/// (`peers_stamp`). So each write takes effect with the next packet on a CPU whose cache holds
+/// the peer: a mode, a pin, a removal, a return, a block on ingress.
+#[test]
+fn a_peer_write_takes_effect_with_the_next_packet() {
+    let Some((mut h, key, entry)) =
+        pinned_harness("a_peer_write_takes_effect_with_the_next_packet")
+    else {
+        return;
+    };
+    let cm = Reason::TxCmRedirect;
+    check_cases(
+        &mut h,
+        vec![big_to_2("up", cm), big_to_2("up, from the cache", cm)],
+    );
+    let writes: [(&str, Option<PeerEntry>, Reason); 4] = [
+        (
+            "mode UD",
+            Some(PeerEntry {
+                mode: peer_mode::UD,
+                ..entry
+            }),
+            Reason::TxUdPeerNotUp,
+        ),
+        (
+            "pinned UD",
+            Some(PeerEntry {
+                pin: peer_pin::UD,
+                ..entry
+            }),
+            Reason::TxUdPinnedUd,
+        ),
+        ("removed", None, Reason::TxUdNoPeer),
+        ("back", Some(entry), Reason::TxCmRedirect),
+    ];
+    for (name, write, reason) in writes {
+        match write {
+            Some(e) => h.dp.maps.set_peer(key, e).unwrap(),
+            None => h.dp.maps.remove_peer(&key).unwrap(),
+        }
+        // Twice: the lookup that fills the slot, then the slot (an absent entry too).
+        check_cases(
+            &mut h,
+            vec![
+                big_to_2(name, reason),
+                big_to_2("and again, from the cache", reason),
+            ],
+        );
+    }
+    // Ingress, from the same cache: a block pin drops the next packet, its removal passes it.
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_PASS);
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_PASS);
+    h.dp.maps
+        .set_peer(
+            key,
+            PeerEntry {
+                pin: peer_pin::BLOCK,
+                ..entry
+            },
+        )
+        .unwrap();
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_DROP, "blocked");
+    h.dp.maps.set_peer(key, entry).unwrap();
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_PASS, "unblocked");
+    // The beat leaves the stamp a write left alone and is heard too: still CM.
+    h.beat();
+    check_cases(&mut h, vec![big_to_2("after a beat", cm)]);
+}
+
+/// A write to the peers map that leaves the heartbeat alone (what a control plane of an
+/// earlier version of layout 2 does: it knows nothing of the cache) is heard at its next beat,
+/// which changes the heartbeat: the cache lags a beat at most. In between, the cached answer
+/// stands (shown here, so that the cache's use is seen, not assumed).
+#[test]
+fn a_write_that_leaves_the_heartbeat_alone_is_heard_at_the_next_beat() {
+    let Some((mut h, key, entry)) =
+        pinned_harness("a_write_that_leaves_the_heartbeat_alone_is_heard_at_the_next_beat")
+    else {
+        return;
+    };
+    check_cases(&mut h, vec![big_to_2("up", Reason::TxCmRedirect)]);
+    let hb = h.dp.maps.heartbeat().unwrap();
+    h.dp.maps
+        .peers
+        .insert(
+            key,
+            PeerEntry {
+                mode: peer_mode::UD,
+                ..entry
+            },
+            0,
+        )
+        .unwrap();
+    assert_eq!(h.dp.maps.heartbeat().unwrap(), hb, "a raw write");
+    check_cases(
+        &mut h,
+        vec![big_to_2(
+            "the cached entry, until the next beat",
+            Reason::TxCmRedirect,
         )],
     );
+    h.beat();
+    check_cases(
+        &mut h,
+        vec![big_to_2("heard at the beat", Reason::TxUdPeerNotUp)],
+    );
+}
+
+/// Two peers whose keys share a cache slot each get their own entry, however their packets
+/// alternate (each evicts the other), on egress and ingress.
+#[test]
+fn peers_that_share_a_cache_slot_keep_their_own_entries() {
+    let Some(mut h) = harness(
+        "peers_that_share_a_cache_slot_keep_their_own_entries",
+        Link::Ipoib,
+    ) else {
+        return;
+    };
+    // Two addresses of 10.0.1.0/24 and beyond with one slot: the first pair found.
+    let addr = |i: u32| format!("10.0.{}.{}", 1 + i / 256, i % 256);
+    let key_of = |a: &str| PeerKey::from(a.parse::<std::net::IpAddr>().unwrap());
+    let (a, b) = (0..4096)
+        .flat_map(|i| (i + 1..4096).map(move |j| (i, j)))
+        .find(|(i, j)| key_of(&addr(*i)).cache_slot() == key_of(&addr(*j)).cache_slot())
+        .map(|(i, j)| (addr(i), addr(j)))
+        .expect("two keys with one slot");
+    let up = PeerEntry {
+        mode: peer_mode::CM_UP,
+        cm_ifindex: CM_IFINDEX,
+        generation: 1,
+        ..Default::default()
+    };
+    let blocked_ud = PeerEntry {
+        mode: peer_mode::UD,
+        pin: peer_pin::BLOCK,
+        ..up
+    };
+    h.dp.maps.set_peer(key_of(&a), up).unwrap();
+    h.dp.maps.set_peer(key_of(&b), blocked_ud).unwrap();
+    h.beat();
+    pin_to_this_cpu();
+    let (a, b): (&'static str, &'static str) = (a.leak(), b.leak());
+    for round in 0..3 {
+        check_cases(
+            &mut h,
+            vec![
+                case(
+                    "CM_UP peer",
+                    tcp(L2::unicast(Link::Ipoib), a, BIG),
+                    Reason::TxCmRedirect,
+                    false,
+                    a,
+                    Path::Cm,
+                ),
+                case(
+                    "UD peer in the same slot",
+                    tcp(L2::unicast(Link::Ipoib), b, BIG),
+                    Reason::TxUdPeerNotUp,
+                    true,
+                    b,
+                    Path::Ud,
+                ),
+            ],
+        );
+        assert_eq!(ingress_verdict(&mut h, a), XDP_PASS, "round {round}: {a}");
+        assert_eq!(ingress_verdict(&mut h, b), XDP_DROP, "round {round}: {b}");
+    }
 }
 
 #[test]
