@@ -30,6 +30,19 @@ pub fn median(v: &[f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// The mean of the middle half of `v` (sorted): robust to the outliers a median is, and finer
+/// than the clock's step when every sample is a multiple of it (a single BPF_PROG_TEST_RUN
+/// is timed to 10 ns steps here).
+pub fn interquartile_mean(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let mid = &v[v.len() / 4..v.len() - v.len() / 4];
+    if mid.is_empty() {
+        return f64::NAN;
+    }
+    mid.iter().sum::<f64>() / mid.len() as f64
+}
+
 /// Prints `result` as the one line after `BENCH-JSON ` and saves it to `out` when given.
 pub fn publish(result: &serde_json::Value, out: Option<&Path>) -> Result<()> {
     println!("BENCH-JSON {result}");
@@ -53,6 +66,15 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 3.0);
         assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn interquartile_mean_drops_the_outer_quarters() {
+        // 8 samples: the middle four are 20, 20, 30, 30; 1 and 1000 are outliers.
+        let v = [30.0, 1.0, 20.0, 1000.0, 20.0, 30.0, 10.0, 40.0];
+        assert_eq!(interquartile_mean(&v), 25.0);
+        assert_eq!(interquartile_mean(&[7.0]), 7.0);
+        assert!(interquartile_mean(&[]).is_nan());
     }
 
     #[test]

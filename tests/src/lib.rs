@@ -529,3 +529,25 @@ pub fn delta(before: &[Counter], after: &[Counter]) -> Vec<(Reason, u64, u64)> {
         .map(|(r, (b, a))| (*r, a.packets - b.packets, a.bytes - b.bytes))
         .collect()
 }
+
+/// Keeps the calling thread on the CPU it runs on now (the fast path's caches are per CPU:
+/// runs that must meet what the one before left stay on one).
+pub fn pin_to_this_cpu() {
+    // SAFETY: plain calls on a zeroed cpu_set_t of this thread.
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        assert!(
+            cpu >= 0,
+            "sched_getcpu: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}

@@ -168,27 +168,6 @@ fn check_cases(h: &mut Harness, cases: Vec<Case>) {
     }
 }
 
-/// Keeps the calling thread on the CPU it runs on now.
-fn pin_to_this_cpu() {
-    // SAFETY: plain calls on a zeroed cpu_set_t of this thread.
-    unsafe {
-        let cpu = libc::sched_getcpu();
-        assert!(
-            cpu >= 0,
-            "sched_getcpu: {}",
-            std::io::Error::last_os_error()
-        );
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu as usize, &mut set);
-        assert_eq!(
-            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
-            0,
-            "sched_setaffinity: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-}
-
 trait L2Len {
     fn link_l2_len(&self) -> usize;
 }

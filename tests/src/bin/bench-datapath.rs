@@ -12,7 +12,10 @@ use aya::{
 use clap::Parser;
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
 use ipoib_ctl::datapath::BASELINE_OBJECT;
-use ipoib_tests::{bench::median, *};
+use ipoib_tests::{
+    bench::{interquartile_mean, median},
+    *,
+};
 
 #[derive(Parser)]
 #[command(about = "ns/packet of the fast path vs trivial programs (BPF_PROG_TEST_RUN)")]
@@ -21,6 +24,9 @@ struct Args {
     repeat: u32,
     #[arg(long, default_value_t = 5)]
     rounds: u32,
+    /// Calls per round of the one-packet-per-call series (the peer cache's hit and miss).
+    #[arg(long, default_value_t = 20_000)]
+    single_runs: u32,
     /// Where to save the JSON results.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -103,6 +109,7 @@ fn main() -> Result<()> {
             egress_frame: mcast,
         },
     ];
+    let pair = CachePair::set_up(&mut h)?;
     // Every peer above seen once, then given its traffic slot, as the control loop does
     // within a second: the steady state, one hash lookup per packet.
     for s in &scenarios {
@@ -134,8 +141,14 @@ fn main() -> Result<()> {
         );
     }
 
+    pair.check(&mut h)?;
+    // The peer cache is per CPU: every run on one, as a flow's packets mostly are.
+    pin_to_this_cpu();
+
     // samples[scenario][program] over rounds; programs: egress, baseline_tc, ingress, baseline_xdp.
     let mut samples = vec![vec![Vec::new(); 4]; scenarios.len()];
+    // single[series] over rounds: per-round interquartile means of one packet per call.
+    let mut single = vec![Vec::new(); SINGLE_SERIES.len()];
     for round in 0..args.rounds {
         eprintln!("round {}/{}", round + 1, args.rounds);
         for (si, s) in scenarios.iter().enumerate() {
@@ -147,6 +160,13 @@ fn main() -> Result<()> {
             samples[si][2].push(ns(run(ingress, &s.ingress_frame, args.repeat)?.1));
             let bxdp: &mut Xdp = base.program_mut("baseline_xdp").unwrap().try_into()?;
             samples[si][3].push(ns(run(bxdp, &s.ingress_frame, args.repeat)?.1));
+        }
+        for (i, m) in pair
+            .round(&mut h, &mut base, args.single_runs)?
+            .into_iter()
+            .enumerate()
+        {
+            single[i].push(m);
         }
     }
 
@@ -193,6 +213,41 @@ fn main() -> Result<()> {
         "target (each program within {TARGET}x of the trivial one): {}",
         if all_within { "met" } else { "NOT met" }
     );
+    // One packet per call: the kernel's time of a single run carries its own clock reads,
+    // the same in every series, so only the differences between the series count.
+    let m: Vec<f64> = single.iter().map(|v| median(v)).collect();
+    println!(
+        "\nOne packet per call (repeat 1, {} calls a round, median of the rounds' interquartile \
+         means), \
+         CM-eligible packets to two peers in turn:",
+        args.single_runs
+    );
+    println!("{:<44} {:>9} {:>9}", "series", "egress", "ingress");
+    for (i, name) in [
+        "peers in different cache slots (hits)",
+        "peers in one cache slot (misses)",
+        "the trivial programs",
+    ]
+    .iter()
+    .enumerate()
+    {
+        println!("{:<44} {:>9.1} {:>9.1}", name, m[2 * i], m[2 * i + 1]);
+    }
+    println!(
+        "a miss costs {:.1} ns more than a hit on egress, {:.1} on ingress",
+        m[2] - m[0],
+        m[3] - m[1]
+    );
+    let single_json: serde_json::Map<String, serde_json::Value> = SINGLE_SERIES
+        .iter()
+        .zip(&single)
+        .map(|(name, v)| {
+            (
+                name.to_string(),
+                serde_json::json!({"median_ns": median(v), "round_iq_means_ns": v}),
+            )
+        })
+        .collect();
     if let Some(out) = args.out {
         if let Some(dir) = out.parent() {
             std::fs::create_dir_all(dir)?;
@@ -206,11 +261,141 @@ fn main() -> Result<()> {
             "target": TARGET,
             "target_met": all_within,
             "results": rows,
+            "single_runs": args.single_runs,
+            "one_packet_per_call": single_json,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&doc)?)?;
         println!("saved {}", out.display());
     }
     Ok(())
+}
+
+/// The series of one packet per call, in the order `CachePair::round` returns them.
+const SINGLE_SERIES: [&str; 6] = [
+    "hit_egress",
+    "hit_ingress",
+    "miss_egress",
+    "miss_ingress",
+    "trivial_tc",
+    "trivial_xdp",
+];
+
+/// Three CM_UP peers for the peer cache's two cases: `a` and `b` share a cache slot, `a` and
+/// `c` do not. Packets to `a` and `c` in turn each find their peer in its slot (hits); to `a`
+/// and `b` in turn each finds the other there (misses: the lookup and the fill, every packet).
+/// `BPF_PROG_TEST_RUN` with a repeat count runs one packet again and again, always a hit, so
+/// these alternate from userspace, one packet per call.
+struct CachePair {
+    /// Egress and ingress frames of a, b, c.
+    egress: [Vec<u8>; 3],
+    ingress: [Vec<u8>; 3],
+}
+
+impl CachePair {
+    fn set_up(h: &mut Harness) -> Result<Self> {
+        let addr = |i: u32| format!("10.0.{}.{}", 1 + i / 256, i % 256);
+        let key =
+            |a: &str| -> Result<PeerKey> { Ok(PeerKey::from(a.parse::<std::net::IpAddr>()?)) };
+        let slot = |i: u32| key(&addr(i)).map(|k| k.cache_slot());
+        let first = slot(0)?;
+        let mut b = None;
+        let mut c = None;
+        for j in 1..4096 {
+            let s = slot(j)?;
+            if s == first {
+                b = b.or(Some(j));
+            } else {
+                c = c.or(Some(j));
+            }
+        }
+        let b = b.context("no two addresses of 10.0.1.0-10.0.16.255 share a cache slot")?;
+        let c = c.context("every address in one cache slot")?;
+        let names = [addr(0), addr(b), addr(c)];
+        let uc = L2::unicast(Link::Ipoib);
+        let egress = names
+            .clone()
+            .map(|n| FrameSpec::tcp(uc, "10.0.0.1", &n, 3000).build());
+        let ingress = names.clone().map(|n| {
+            as_ingress(
+                &FrameSpec::tcp(uc, &n, "10.0.0.1", 3000).build(),
+                Link::Ipoib,
+            )
+        });
+        for n in &names {
+            h.dp.maps.set_peer(
+                key(n)?,
+                PeerEntry {
+                    mode: peer_mode::CM_UP,
+                    cm_ifindex: 1,
+                    ..Default::default()
+                },
+            )?;
+        }
+        // Seen once each: given traffic slots with the scenarios' peers.
+        for i in 0..3 {
+            h.egress(&egress[i])?;
+            h.ingress(&ingress[i])?;
+        }
+        Ok(Self { egress, ingress })
+    }
+
+    /// Every packet of the three redirected to CM, as the scenario's are.
+    fn check(&self, h: &mut Harness) -> Result<()> {
+        for (i, f) in self.egress.iter().enumerate() {
+            let out = h.egress(f)?;
+            anyhow::ensure!(
+                out.retval == TC_ACT_REDIRECT,
+                "cache peer {i}: egress returned {}",
+                out.retval
+            );
+        }
+        Ok(())
+    }
+
+    /// One round: for each of [`SINGLE_SERIES`], `calls` single runs (their interquartile
+    /// mean).
+    fn round(&self, h: &mut Harness, base: &mut Ebpf, calls: u32) -> Result<Vec<f64>> {
+        let mut out = Vec::new();
+        for other in [2, 1] {
+            let egress = h.dp.egress()?;
+            out.push(alternate(
+                egress,
+                [&self.egress[0], &self.egress[other]],
+                calls,
+            )?);
+            let ingress = h.dp.ingress()?;
+            out.push(alternate(
+                ingress,
+                [&self.ingress[0], &self.ingress[other]],
+                calls,
+            )?);
+        }
+        let btc: &mut SchedClassifier = base.program_mut("baseline_tc").unwrap().try_into()?;
+        out.push(alternate(btc, [&self.egress[0], &self.egress[1]], calls)?);
+        let bxdp: &mut Xdp = base.program_mut("baseline_xdp").unwrap().try_into()?;
+        out.push(alternate(
+            bxdp,
+            [&self.ingress[0], &self.ingress[1]],
+            calls,
+        )?);
+        Ok(out)
+    }
+}
+
+/// The mean ns of the middle half of `calls` single runs of `prog`, its two frames in turn
+/// (a single run is timed in 10 ns steps: a median would be one of them).
+fn alternate<P>(prog: &mut P, frames: [&Vec<u8>; 2], calls: u32) -> Result<f64>
+where
+    P: for<'a> aya::programs::TestRun<
+            Opts<'a> = aya::programs::TestRunOptions<'a>,
+            Result = aya::programs::TestRunResult,
+        >,
+{
+    let mut t = Vec::with_capacity(calls as usize);
+    for i in 0..calls {
+        t.push(ns(run(prog, frames[i as usize % 2], 1)?.1));
+    }
+    Ok(interquartile_mean(&t))
 }
 
 /// The CPU's model and the kernel's mitigations that change what a call or a return costs.
