@@ -772,6 +772,45 @@ mod tests {
             assert!(!other.same(&a), "word {word}");
         }
         assert_eq!(a.words(), [u32::from_ne_bytes([10, 0, 0, 7]), 0, 0, 0, 4]);
+        // Every word set: each is compared, not just those of an IPv4 key.
+        let full = PeerKey::v6([0xa5; 16]);
+        assert!(full.same(&PeerKey::v6([0xa5; 16])));
+        // Two words that differ by the same bits must not cancel out.
+        for (i, j) in [(0, 1), (1, 2), (2, 3), (0, 3)] {
+            let mut other = full;
+            other.addr[4 * i] ^= 0x01;
+            other.addr[4 * j] ^= 0x01;
+            assert!(!full.same(&other), "words {i} and {j}");
+        }
+        let mut other = full;
+        other.addr[12] ^= 0x01;
+        other.family ^= 0x01;
+        assert!(!full.same(&other), "words 3 and 4");
+    }
+
+    /// The words are folded without losing a bit: from every address bit set (where a fold
+    /// by OR would lose them all) and from none (where one by AND would), flipping any one
+    /// bit moves the key to another slot.
+    #[test]
+    fn every_address_bit_moves_the_cache_slot() {
+        for fill in [0xff, 0x00] {
+            let base = PeerKey::v6([fill; 16]);
+            for byte in 0..16 {
+                for bit in 0..8 {
+                    let mut k = base;
+                    k.addr[byte] ^= 1 << bit;
+                    assert_ne!(
+                        k.cache_slot(),
+                        base.cache_slot(),
+                        "{fill:#x}: byte {byte} bit {bit}"
+                    );
+                }
+            }
+            // The family counts too: the same bytes as IPv4 and as IPv6 sit apart.
+            let mut v4 = base;
+            v4.family = FAMILY_IPV4;
+            assert_ne!(v4.cache_slot(), base.cache_slot(), "{fill:#x}");
+        }
     }
 
     #[test]
