@@ -374,9 +374,9 @@ pub struct Heartbeat {
     /// Changed (to a value it did not hold) after every write to the peers map, by the
     /// writer, without touching the other fields: the fast path's per-CPU cache of peer
     /// entries ([`PeerCacheSlot`]) holds only while the heartbeat is the one it was filled
-    /// under, so a write takes effect with the next packet. (Until layout 2's later versions,
-    /// padding, always zero: a writer that does not change it is still heard at its next
-    /// beat, since `monotonic_ns` changes with each.)
+    /// under, so a write takes effect with the next packet. (These bytes were padding before,
+    /// always zero: a writer of that version never changes them, and is heard at its next
+    /// beat instead, since `monotonic_ns` changes with each.)
     pub peers_stamp: u32,
 }
 

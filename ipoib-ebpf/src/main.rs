@@ -154,7 +154,9 @@ impl Peer {
         // write it at any time, and a slot filled with what the lookup found must carry the
         // heartbeat from before the lookup (at worst an older one, which the next packet
         // misses), never one a later write to the peers map left (that would keep an entry
-        // older than the write until the next beat).
+        // older than the write until the next beat). No barrier: x86 keeps loads in order,
+        // and elsewhere a reordered pair would have to straddle the writer's two syscalls
+        // (the entry, then the stamp), microseconds apart, not a CPU's reordering window.
         // SAFETY: a map value; plain loads of aligned integers.
         let (hb_ns, hb_stamp) = unsafe {
             (
