@@ -874,7 +874,8 @@ fn a_peer_write_takes_effect_with_the_next_packet() {
     assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_DROP, "blocked");
     h.dp.maps.set_peer(key, entry).unwrap();
     assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_PASS, "unblocked");
-    // The beat leaves the stamp a write left alone and is heard too: still CM.
+    // A beat (a new time, the stamp back to 0) changes the heartbeat too: the next packet
+    // reads the map again, and finds the peer up.
     h.beat();
     check_cases(&mut h, vec![big_to_2("after a beat", cm)]);
 }
