@@ -263,20 +263,20 @@ fn egress(ctx: &TcContext) -> i32 {
         }
     };
     let l3_len = (len - frame.l2_len) as u64;
-    // Read once, and only for unicast IP: the only packets that use it.
+    // Read once, and only for unicast IP: the only packets that use them (`decide` answers
+    // every other packet before it asks the heartbeat).
     let unicast = frame.unicast();
-    let (tick, now) = if unicast {
+    let (tick, now, hb) = if unicast {
         let t = tick();
-        (t, coarse_now(t))
+        (t, coarse_now(t), HEARTBEAT.get(0))
     } else {
-        (None, 0)
+        (None, 0, None)
     };
     // At most one hash lookup (none when this CPU's cache has the peer): the peer's entry
     // decides its path and names its traffic slot. The key is built where it is used: here,
     // and in `traffic` for a peer with no slot yet. (Built once ahead for every packet, it
     // was zeroed for the packets that are not unicast by a call to a byte-at-a-time memset.)
     let dst = || key_at(ctx.data(), ctx.data_end(), frame.family, frame.dst_at);
-    let hb = HEARTBEAT.get(0);
     let peer = if unicast {
         Peer::of(&dst(), hb)
     } else {
