@@ -551,3 +551,17 @@ pub fn pin_to_this_cpu() {
         );
     }
 }
+
+/// Three addresses of 10.0.1.0-10.0.16.255 for the fast path's per-CPU peer cache: the first
+/// two share a slot (`PeerKey::cache_slot`), the third sits in another.
+pub fn cache_slot_neighbours() -> [String; 3] {
+    let addr = |i: u32| format!("10.0.{}.{}", 1 + i / 256, i % 256);
+    let slot = |i: u32| PeerKey::from(addr(i).parse::<IpAddr>().expect("ip")).cache_slot();
+    let same = (1..4096)
+        .find(|i| slot(*i) == slot(0))
+        .expect("two addresses of 4096 in one of 256 slots");
+    let other = (1..4096)
+        .find(|i| slot(*i) != slot(0))
+        .expect("addresses in more than one slot");
+    [addr(0), addr(same), addr(other)]
+}

@@ -929,14 +929,8 @@ fn peers_that_share_a_cache_slot_keep_their_own_entries() {
     ) else {
         return;
     };
-    // Two addresses of 10.0.1.0/24 and beyond with one slot: the first pair found.
-    let addr = |i: u32| format!("10.0.{}.{}", 1 + i / 256, i % 256);
+    let [a, b, _] = cache_slot_neighbours();
     let key_of = |a: &str| PeerKey::from(a.parse::<std::net::IpAddr>().unwrap());
-    let (a, b) = (0..4096)
-        .flat_map(|i| (i + 1..4096).map(move |j| (i, j)))
-        .find(|(i, j)| key_of(&addr(*i)).cache_slot() == key_of(&addr(*j)).cache_slot())
-        .map(|(i, j)| (addr(i), addr(j)))
-        .expect("two keys with one slot");
     let up = PeerEntry {
         mode: peer_mode::CM_UP,
         cm_ifindex: CM_IFINDEX,
@@ -1139,17 +1133,13 @@ fn ingress_block_needs_the_policy_flag() {
     let Some(mut h) = harness("ingress_block_needs_the_policy_flag", Link::Ipoib) else {
         return;
     };
-    let frame = as_ingress(
-        &FrameSpec::tcp(L2::unicast(Link::Ipoib), "10.0.0.6", "10.0.0.1", BIG).build(),
-        Link::Ipoib,
-    );
-    assert_eq!(h.ingress(&frame).unwrap().retval, XDP_DROP);
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.6"), XDP_DROP);
     let p = h.policy();
     h.set_policy(Policy {
         any_blocked: 0,
         ..p
     });
-    assert_eq!(h.ingress(&frame).unwrap().retval, XDP_PASS);
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.6"), XDP_PASS);
 }
 
 /// Every truncation of valid frames, from 0 bytes to the end of the L4 header: below it the
