@@ -75,6 +75,14 @@ where
     T::try_from(map).map_err(in_map(name))
 }
 
+/// The peers map and every peer's traffic, read together by
+/// [`DatapathMaps::peers_and_traffic`].
+#[derive(Debug, Default)]
+pub struct PeersRead {
+    pub entries: Vec<(PeerKey, PeerEntry)>,
+    pub traffic: Vec<(PeerKey, PeerTraffic)>,
+}
+
 impl DatapathMaps {
     /// Takes the maps out of a loaded object (the programs keep their own references), pinning
     /// each under `pin_dir` when given (the directory must exist on a bpffs).
@@ -226,16 +234,43 @@ impl DatapathMaps {
         }
     }
 
-    /// Every peer's traffic, summed over CPUs: those with a slot, then those counted apart.
-    pub fn traffic(&self) -> Result<Vec<(PeerKey, PeerTraffic)>> {
-        self.traffic_of_peers(&self.peers()?)
+    /// Every entry, and every peer's traffic summed over CPUs (those with a slot, then those
+    /// counted apart), read in the order that suits a reader beside the control loop
+    /// (`status`, another process): the peers counted apart first, then the entries. The
+    /// loop moves a peer to its slot by writing the entry, then removing it from the unknown
+    /// map (`give_slot`), so a peer moved meanwhile is found in one or the other; the other
+    /// order can miss it (seen: `a_peer_given_its_slot_while_status_reads_is_never_missing`,
+    /// and a peer gone from status between two reads in a CI run).
+    pub fn peers_and_traffic(&self) -> Result<PeersRead> {
+        let apart = self.counted_apart()?;
+        let entries = self.peers()?;
+        let traffic = self.with_slot_traffic(&entries, apart)?;
+        Ok(PeersRead { entries, traffic })
     }
 
-    /// As [`DatapathMaps::traffic`], with the peers map as the caller already read it (one
-    /// pass over it serves a caller that needs the entries too).
+    /// Every peer's traffic, with the peers map as the caller already read it (one
+    /// pass over it serves a caller that needs the entries too). For the control loop's own
+    /// use, between its writes; a reader beside it wants [`DatapathMaps::peers_and_traffic`].
     pub fn traffic_of_peers(
         &self,
         peers: &[(PeerKey, PeerEntry)],
+    ) -> Result<Vec<(PeerKey, PeerTraffic)>> {
+        self.with_slot_traffic(peers, self.counted_apart()?)
+    }
+
+    /// The peers counted apart (no slot yet) and their traffic.
+    fn counted_apart(&self) -> Result<Vec<(PeerKey, PeerTraffic)>> {
+        self.unknown
+            .iter()
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(in_map(map_names::UNKNOWN))
+    }
+
+    /// The traffic at the slots `peers` name, then what `apart` holds for the others.
+    fn with_slot_traffic(
+        &self,
+        peers: &[(PeerKey, PeerEntry)],
+        apart: Vec<(PeerKey, PeerTraffic)>,
     ) -> Result<Vec<(PeerKey, PeerTraffic)>> {
         let mut all = Vec::new();
         let mut slotted = std::collections::HashSet::new();
@@ -245,12 +280,7 @@ impl DatapathMaps {
                 slotted.insert(*k);
             }
         }
-        for r in self.unknown.iter() {
-            let (k, t) = r.map_err(in_map(map_names::UNKNOWN))?;
-            if !slotted.contains(&k) {
-                all.push((k, t));
-            }
-        }
+        all.extend(apart.into_iter().filter(|(k, _)| !slotted.contains(k)));
         Ok(all)
     }
 

@@ -191,12 +191,13 @@ fn pid_alive(pid: u32) -> bool {
 pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
     let now = monotonic_ns();
     let mut by_ip: BTreeMap<IpAddr, (Option<PeerEntry>, Option<PeerTraffic>)> = BTreeMap::new();
-    for (k, e) in maps.peers()? {
+    let read = maps.peers_and_traffic()?;
+    for (k, e) in read.entries {
         if let Some(ip) = k.ip() {
             by_ip.entry(ip).or_default().0 = Some(e);
         }
     }
-    for (k, t) in maps.traffic()? {
+    for (k, t) in read.traffic {
         if let Some(ip) = k.ip() {
             by_ip.entry(ip).or_default().1 = Some(t);
         }

@@ -1475,3 +1475,99 @@ fn traffic_moves_from_counted_apart_to_a_slot() {
     assert!(apart(&h, "10.0.0.77"));
     assert_eq!(h.traffic("10.0.0.77").tx_ud_packets, 1);
 }
+
+/// A bpffs directory of this process's own, its pins and itself removed on drop.
+struct PinDir(std::path::PathBuf);
+
+impl PinDir {
+    fn new(test: &str) -> std::io::Result<Self> {
+        let dir =
+            std::path::PathBuf::from(format!("/sys/fs/bpf/ipoib-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Ok(entries) = std::fs::read_dir(&self.0) {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// `ipoib-ctl status` reads the maps from another process while the control loop writes
+/// them: a peer the loop moves from counted apart to a slot of its own meanwhile (the entry
+/// with the slot, then the unknown map's entry removed) is in one map or the other at every
+/// read, so status never loses a peer the fast path has seen. The loop's side runs here,
+/// status's side in a thread with maps of its own opened from the pins.
+#[test]
+fn a_peer_given_its_slot_while_status_reads_is_never_missing() {
+    let test = "a_peer_given_its_slot_while_status_reads_is_never_missing";
+    let is_root = unsafe { libc::geteuid() } == 0;
+    let pins = match PinDir::new("slotrace") {
+        Ok(p) => p,
+        Err(e) if !is_root => return loud_skip(test, &format!("no bpffs directory: {e}")),
+        Err(e) => panic!("{test}: a bpffs directory: {e}"),
+    };
+    let dp = match ipoib_ctl::datapath::Datapath::load_pinned(Some(&pins.0)) {
+        Ok(dp) => dp,
+        Err(e) if !is_root => return loud_skip(test, &format!("loading failed: {e}")),
+        Err(e) => panic!("{test}: loading the datapath pinned: {e}"),
+    };
+    let mut h = Harness::new(dp, Link::Ipoib);
+    install_peers(&mut h);
+    let reader_maps = ipoib_ctl::maps::DatapathMaps::from_pins(&pins.0).unwrap();
+    const ROUNDS: u8 = 40;
+    const PER_ROUND: u8 = 20;
+    let addr = |r: u8, i: u8| format!("10.9.{r}.{i}");
+    // Rounds whose peers the fast path has seen (each is in one map or the other from then).
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (seen, done) = (seen.clone(), done.clone());
+        std::thread::spawn(move || {
+            use std::sync::atomic::Ordering::Acquire;
+            let (mut reads, mut missing) = (0u32, Vec::new());
+            while !done.load(Acquire) {
+                let rounds = seen.load(Acquire);
+                let views = ipoib_ctl::status::peers(&reader_maps).unwrap();
+                let have: std::collections::HashSet<&str> =
+                    views.iter().map(|v| v.addr.as_str()).collect();
+                missing.extend(
+                    (0..rounds)
+                        .flat_map(|r| (1..=PER_ROUND).map(move |i| addr(r, i)))
+                        .filter(|a| !have.contains(a.as_str())),
+                );
+                reads += 1;
+            }
+            (reads, missing)
+        })
+    };
+    let (now, never) = (monotonic_ns(), u64::MAX);
+    let mut assigned = 0;
+    for r in 0..ROUNDS {
+        for i in 1..=PER_ROUND {
+            h.egress(&tcp(L2::unicast(Link::Ipoib), &addr(r, i), SMALL))
+                .unwrap();
+        }
+        seen.store(r + 1, std::sync::atomic::Ordering::Release);
+        // Let status start a read before the loop moves these peers.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assigned += h.dp.maps.assign_slots(now, never).unwrap().assigned;
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    done.store(true, std::sync::atomic::Ordering::Release);
+    let (reads, missing) = reader.join().unwrap();
+    eprintln!(
+        "{assigned} peers given slots over {ROUNDS} rounds; status read {reads} times, \
+         missed {} peer(s)",
+        missing.len()
+    );
+    assert_eq!(assigned, usize::from(ROUNDS) * usize::from(PER_ROUND));
+    assert!(reads >= u32::from(ROUNDS), "status read only {reads} times");
+    assert!(missing.is_empty(), "status missed peers: {missing:?}");
+}
