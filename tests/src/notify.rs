@@ -92,17 +92,29 @@ impl NotifySocket {
     /// The longest wait between two messages that carry `line` within `from`..`to`, the ends
     /// counted (none in between: the whole span).
     pub fn longest_gap(&self, line: &str, from: Instant, to: Instant) -> Duration {
+        self.longest_gap_from(line, from, to).0
+    }
+
+    /// As [`NotifySocket::longest_gap`], with when the gap began (`from` or a message).
+    pub fn longest_gap_from(&self, line: &str, from: Instant, to: Instant) -> (Duration, Instant) {
         let mut last = from;
-        let mut gap = Duration::ZERO;
+        let mut gap = (Duration::ZERO, from);
         for m in self
             .messages()
             .iter()
             .filter(|m| m.at > from && m.at <= to && m.has(line))
         {
-            gap = gap.max(m.at.saturating_duration_since(last));
+            let wait = m.at.saturating_duration_since(last);
+            if wait > gap.0 {
+                gap = (wait, last);
+            }
             last = m.at;
         }
-        gap.max(to.saturating_duration_since(last))
+        let wait = to.saturating_duration_since(last);
+        if wait > gap.0 {
+            gap = (wait, last);
+        }
+        gap
     }
 }
 

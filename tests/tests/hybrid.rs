@@ -2428,9 +2428,20 @@ fn watchdog_follows_the_engine(
         .find(|m| m.has("WATCHDOG=1"))
         .map(|m| m.at);
     let statuses: Vec<&str> = msgs.iter().filter_map(|m| m.get("STATUS")).collect();
+    // When each STATUS came, from the fault on (negative: before it), for a late ping's cause.
+    let timeline: Vec<String> = msgs
+        .iter()
+        .filter_map(|m| Some((m.get("STATUS")?, m.at)))
+        .map(|(s, at)| match at.checked_duration_since(faulted) {
+            Some(d) => format!("+{d:.2?} {s}"),
+            None => format!("-{:.2?} {s}", faulted - at),
+        })
+        .collect();
+    let (after, gap_from) = sock.longest_gap_from("WATCHDOG=1", faulted, now);
     eprintln!(
-        "watchdog: longest gap {before:?} before the fault; last WATCHDOG=1 {:?} before now; \
-         STATUS lines {statuses:?}",
+        "watchdog: longest gap {before:?} before the fault, {after:?} after it (from \
+         +{:.2?}); last WATCHDOG=1 {:?} before now; STATUS lines {timeline:#?}",
+        gap_from - faulted,
         last_ping.map(|t| now - t)
     );
     assert!(
@@ -2447,10 +2458,10 @@ fn watchdog_follows_the_engine(
         }
         _ => {
             // Through the stop, the UD-only time and the restart of connected mode.
-            let gap = sock.longest_gap("WATCHDOG=1", faulted, now);
             assert!(
-                gap < period,
-                "the loop stopped its watchdog after the panic: {gap:?}"
+                after < period,
+                "the loop stopped its watchdog after the panic: {after:?} from +{:.2?}",
+                gap_from - faulted
             );
             assert!(
                 statuses.iter().any(|s| s.contains("every peer on UD")),
