@@ -323,16 +323,6 @@ impl Hca {
 /// the SRQ fails or the node's budget has no room left for one. An SRQ's memory is taken from
 /// the node's budget at once; rings take theirs one at a time, as connections come, so any
 /// interface may use what the others do not.
-/// [`open_hca`] on a thread of its own: registering and posting every receive buffer takes
-/// a while (0.6 s for an SRQ on soft-RoCE), and the control loop that restarts connected
-/// mode beats meanwhile.
-async fn open_hca_aside(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
-    let (iface, opts) = (iface.to_string(), opts.clone());
-    tokio::task::spawn_blocking(move || open_hca(&iface, &opts))
-        .await
-        .map_err(|e| CmError::Io(io::Error::other(format!("setting up the HCA: {e}"))))?
-}
-
 fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
     let dev = open_device(&opts.device)?;
     let limits = dev.limits()?;
@@ -698,7 +688,7 @@ impl Manager {
             opts.device,
             opts.port
         );
-        let (hca, ledger) = open_hca_aside(iface, &opts).await?;
+        let (hca, ledger) = open_hca(iface, &opts)?;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
         let listener = listen(iface, opts.ctl_port)?;
         let rtnl = Arc::new(Rtnl::new()?);

@@ -98,25 +98,16 @@ async fn run_async(
         None => format!("{iface}: fast path attached, connected mode up"),
         Some(why) => format!("{iface}: fast path attached, every peer on UD ({why})"),
     });
-    let mut starting = None;
     let looped = run_loop(
         iface,
         &mut att,
         &mut manager,
         &mut restart,
-        &mut starting,
         &mut notify,
         metrics.as_ref(),
     )
     .await;
     notify.stopping(&format!("{iface}: stopping; the fast path stays attached"));
-    // A restart under way is let finish, to be stopped below with the rest of it.
-    if let Some(start) = starting {
-        match start.await {
-            Ok(m) => manager = Some(m),
-            Err(e) => tracing::warn!("connected mode on {iface} did not start again: {e}"),
-        }
-    }
     if let Some(m) = &metrics {
         // Numbers from a loop that no longer runs would mislead: gone, as the loop is.
         let _ = std::fs::remove_file(crate::metrics::textfile_path(&m.dir, iface));
@@ -147,17 +138,12 @@ async fn start_cm(
     }
 }
 
-/// A restart of connected mode under way, polled beside the heartbeat: the loop beats while
-/// the HCA is set up (a blocked loop would starve the service manager's watchdog).
-type Starting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Manager, CmError>>>>;
-
 /// The loop proper; true when it ended because the interface was detached.
 async fn run_loop(
     iface: &str,
     att: &mut Attached,
     manager: &mut Option<Manager>,
     restart: &mut Option<(CmOptions, Backoff)>,
-    starting: &mut Option<Starting>,
     notify: &mut Notifier,
     metrics: Option<&MetricsOut>,
 ) -> Result<bool, DaemonError> {
@@ -193,20 +179,18 @@ async fn run_loop(
                     cm_stopped(iface, e, manager, restart.as_mut().map(|r| &mut r.1), notify)
                         .await;
                     // Every peer is UD now: the heartbeat, withheld if the engine died, is
-                    // safe again, and the watchdog waited long enough.
+                    // safe again, and the watchdog has waited long enough.
                     beat.as_mut().reset(tokio::time::Instant::now());
                 }
             }
-            _ = restart_due(restart.as_ref().map(|(_, b)| b)),
-                if manager.is_none() && starting.is_none() => {
+            _ = restart_due(restart.as_ref().map(|(_, b)| b)), if manager.is_none() => {
                 if let Some((options, backoff)) = restart.as_mut() {
-                    *starting = begin_restart(iface, options, backoff);
-                }
-            }
-            started = start_done(starting) => {
-                *starting = None;
-                if let Some((_, backoff)) = restart.as_mut() {
-                    *manager = restarted(iface, started, backoff, notify);
+                    // The start holds this thread (0.6 s to post an SRQ's buffers on
+                    // soft-RoCE): a beat just before it and one just after, so the watchdog
+                    // waits no longer than the start.
+                    heartbeat(att, None, &mut withheld, notify)?;
+                    *manager = restart_cm(iface, options, backoff, notify).await;
+                    beat.as_mut().reset(tokio::time::Instant::now());
                 }
             }
         }
@@ -237,9 +221,13 @@ async fn cm_stopped(
     }
 }
 
-/// A restart of connected mode, due now; None (and the next look set) while what the last
-/// one left is not gone.
-fn begin_restart(iface: &str, options: &CmOptions, backoff: &mut Backoff) -> Option<Starting> {
+/// Starts connected mode again; None (and the next try set) when it does not start.
+async fn restart_cm(
+    iface: &str,
+    options: &CmOptions,
+    backoff: &mut Backoff,
+    notify: &mut Notifier,
+) -> Option<Manager> {
     if let Some(r) = backoff.remains.take_if(|r| !r.gone()) {
         backoff.remains = Some(r);
         if backoff.postpone(std::time::Instant::now()) {
@@ -251,28 +239,7 @@ fn begin_restart(iface: &str, options: &CmOptions, backoff: &mut Backoff) -> Opt
         }
         return None;
     }
-    let (iface, dir, options) = (iface.to_owned(), attach::pin_dir(iface), options.clone());
-    Some(Box::pin(async move {
-        Manager::start(&iface, &dir, options).await
-    }))
-}
-
-/// Resolves with the restart under way once it is done; never without one.
-async fn start_done(starting: &mut Option<Starting>) -> Result<Manager, CmError> {
-    match starting {
-        Some(start) => start.as_mut().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// The restart ended: connected mode runs again, or None and the next try set.
-fn restarted(
-    iface: &str,
-    started: Result<Manager, CmError>,
-    backoff: &mut Backoff,
-    notify: &mut Notifier,
-) -> Option<Manager> {
-    match started {
+    match Manager::start(iface, &attach::pin_dir(iface), options.clone()).await {
         Ok(m) => {
             backoff.started(std::time::Instant::now());
             tracing::info!("connected mode on {iface} runs again");
