@@ -2457,10 +2457,14 @@ fn watchdog_follows_the_engine(
             );
         }
         _ => {
-            // Through the stop, the UD-only time and the restart of connected mode.
+            // Through the stop, the UD-only time and the restart of connected mode, the
+            // watchdog is fed about as regularly as before the fault: the loop beats at once
+            // after the stop, and just before and after the restart that holds its thread
+            // (without those beats: 1.49 s against 0.77 s before the fault, unloaded).
             assert!(
-                after < period,
-                "the loop stopped its watchdog after the panic: {after:?} from +{:.2?}",
+                after < period && after < before + period / 4,
+                "the loop stopped its watchdog after the panic: {after:?} from +{:.2?} \
+                 ({before:?} at most before the fault)",
                 gap_from - faulted
             );
             assert!(
