@@ -1508,6 +1508,10 @@ impl Drop for PinDir {
 /// status's side in a thread with maps of its own opened from the pins.
 #[test]
 fn a_peer_given_its_slot_while_status_reads_is_never_missing() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering::SeqCst},
+    };
     let test = "a_peer_given_its_slot_while_status_reads_is_never_missing";
     let is_root = unsafe { libc::geteuid() } == 0;
     let pins = match PinDir::new("slotrace") {
@@ -1526,11 +1530,6 @@ fn a_peer_given_its_slot_while_status_reads_is_never_missing() {
     const ROUNDS: u8 = 40;
     const PER_ROUND: u8 = 20;
     let addr = |r: u8, i: u8| format!("10.9.{r}.{i}");
-    // Rounds whose peers the fast path has seen (each is in one map or the other from then).
-    use std::sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering::SeqCst},
-    };
     // `seen`: rounds whose peers the fast path has seen (each peer is in one map or the other
     // from then on); `started`: reads status began.
     let (seen, started, done) = (
