@@ -404,24 +404,36 @@ pub fn loud_skip(test: &str, why: &str) {
 /// loud message) only where the machine truly cannot: not root and no CAP_BPF. With
 /// `IPOIB_REQUIRE_BPF=1` (set by CI) a missing capability is a failure, not a skip.
 pub fn load_or_skip(test: &str) -> Option<Datapath> {
-    match Datapath::load() {
+    load_pinned_or_skip(test, None)
+}
+
+/// As [`load_or_skip`], with every map pinned under `pin_dir` (an existing bpffs directory)
+/// when given.
+pub fn load_pinned_or_skip(test: &str, pin_dir: Option<&std::path::Path>) -> Option<Datapath> {
+    match Datapath::load_pinned(pin_dir) {
         Ok(dp) => Some(dp),
         Err(e) => {
-            let is_root = unsafe { libc::geteuid() } == 0;
-            let required = std::env::var("IPOIB_REQUIRE_BPF").is_ok_and(|v| v == "1");
-            if is_root || required {
-                panic!("{test}: loading the datapath failed: {e}");
-            }
-            loud_skip(
-                test,
-                &format!(
-                    "this test runs eBPF in the kernel and needs root (or CAP_BPF + \
-                     CAP_NET_ADMIN); loading failed: {e}"
-                ),
-            );
+            bpf_unavailable(test, &format!("loading the datapath failed: {e}"));
             None
         }
     }
+}
+
+/// A test that needs BPF found it unavailable (`why`): a failure as root or with
+/// `IPOIB_REQUIRE_BPF=1`, else a loud skip.
+pub fn bpf_unavailable(test: &str, why: &str) {
+    let is_root = unsafe { libc::geteuid() } == 0;
+    let required = std::env::var("IPOIB_REQUIRE_BPF").is_ok_and(|v| v == "1");
+    if is_root || required {
+        panic!("{test}: {why}");
+    }
+    loud_skip(
+        test,
+        &format!(
+            "this test runs eBPF in the kernel and needs root (or CAP_BPF + CAP_NET_ADMIN); \
+             {why}"
+        ),
+    );
 }
 
 /// A loaded datapath configured for one link type, with helpers to run frames through it.

@@ -1513,16 +1513,12 @@ fn a_peer_given_its_slot_while_status_reads_is_never_missing() {
         atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering::SeqCst},
     };
     let test = "a_peer_given_its_slot_while_status_reads_is_never_missing";
-    let is_root = unsafe { libc::geteuid() } == 0;
     let pins = match PinDir::new("slotrace") {
         Ok(p) => p,
-        Err(e) if !is_root => return loud_skip(test, &format!("no bpffs directory: {e}")),
-        Err(e) => panic!("{test}: a bpffs directory: {e}"),
+        Err(e) => return bpf_unavailable(test, &format!("no bpffs directory: {e}")),
     };
-    let dp = match ipoib_ctl::datapath::Datapath::load_pinned(Some(&pins.0)) {
-        Ok(dp) => dp,
-        Err(e) if !is_root => return loud_skip(test, &format!("loading failed: {e}")),
-        Err(e) => panic!("{test}: loading the datapath pinned: {e}"),
+    let Some(dp) = load_pinned_or_skip(test, Some(&pins.0)) else {
+        return;
     };
     let mut h = Harness::new(dp, Link::Ipoib);
     install_peers(&mut h);
