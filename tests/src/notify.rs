@@ -97,22 +97,19 @@ impl NotifySocket {
 
     /// As [`NotifySocket::longest_gap`], with when the gap began (`from` or a message).
     pub fn longest_gap_from(&self, line: &str, from: Instant, to: Instant) -> (Duration, Instant) {
-        let mut last = from;
-        let mut gap = (Duration::ZERO, from);
-        for m in self
-            .messages()
+        let msgs = self.messages();
+        let ends = msgs
             .iter()
             .filter(|m| m.at > from && m.at <= to && m.has(line))
-        {
-            let wait = m.at.saturating_duration_since(last);
+            .map(|m| m.at)
+            .chain([to]);
+        let (mut last, mut gap) = (from, (Duration::ZERO, from));
+        for at in ends {
+            let wait = at.saturating_duration_since(last);
             if wait > gap.0 {
                 gap = (wait, last);
             }
-            last = m.at;
-        }
-        let wait = to.saturating_duration_since(last);
-        if wait > gap.0 {
-            gap = (wait, last);
+            last = at;
         }
         gap
     }
