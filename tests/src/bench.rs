@@ -9,7 +9,13 @@ pub const TICKS_PER_S: f64 = 100.0;
 
 /// Busy ticks of all CPUs together (everything but idle and iowait), from /proc/stat.
 pub fn busy_ticks() -> Result<u64> {
-    let stat = std::fs::read_to_string("/proc/stat")?;
+    let v = all_cpus(&std::fs::read_to_string("/proc/stat")?, 5)?;
+    let idle = v[3] + v[4];
+    Ok(v.iter().sum::<u64>() - idle)
+}
+
+/// The columns of /proc/stat's first line (all CPUs together), at least `columns` of them.
+fn all_cpus(stat: &str, columns: usize) -> Result<Vec<u64>> {
     let v: Vec<u64> = stat
         .lines()
         .next()
@@ -18,9 +24,66 @@ pub fn busy_ticks() -> Result<u64> {
         .skip(1)
         .filter_map(|w| w.parse().ok())
         .collect();
-    ensure!(v.len() >= 5, "/proc/stat: {v:?}");
-    let idle = v[3] + v[4];
-    Ok(v.iter().sum::<u64>() - idle)
+    ensure!(v.len() >= columns, "/proc/stat: {v:?}");
+    Ok(v)
+}
+
+/// Busy ticks of all CPUs together, split by what ran: userspace, the kernel on behalf of a
+/// process (system), and interrupts and softirqs (where soft-RoCE and the network stack's
+/// receive side do most of their work). From /proc/stat's first line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuSplit {
+    pub user: u64,
+    pub system: u64,
+    pub irq: u64,
+}
+
+impl CpuSplit {
+    pub fn now() -> Result<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat")?)
+    }
+
+    /// From /proc/stat's text: `cpu user nice system idle iowait irq softirq steal ...`.
+    pub fn parse(stat: &str) -> Result<Self> {
+        let v = all_cpus(stat, 7)?;
+        Ok(Self {
+            user: v[0] + v[1],
+            system: v[2],
+            irq: v[5] + v[6],
+        })
+    }
+
+    /// What ran between `before` and `self`.
+    pub fn since(self, before: Self) -> Self {
+        Self {
+            user: self.user.saturating_sub(before.user),
+            system: self.system.saturating_sub(before.system),
+            irq: self.irq.saturating_sub(before.irq),
+        }
+    }
+}
+
+/// user + system ticks of a process or thread, from its `stat` file (`/proc/PID/stat`, or
+/// `/proc/self/task/TID/stat` for a thread): every thread of a process is in its own.
+pub fn stat_ticks(path: &str) -> Result<u64> {
+    let (user, system) = stat_user_system(path)?;
+    Ok(user + system)
+}
+
+/// user and system ticks of a process or thread apart, as [`stat_ticks`].
+pub fn stat_user_system(path: &str) -> Result<(u64, u64)> {
+    let stat = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    // After the command's closing parenthesis: field 3 (state) onward; utime and stime are
+    // fields 14 and 15.
+    let rest = stat.rsplit_once(')').context("stat")?.1;
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .map(|w| w.parse().unwrap_or(0))
+        .collect();
+    ensure!(f.len() == 2, "{path}: {stat}");
+    Ok((f[0], f[1]))
 }
 
 /// The median of `v` (the upper one of an even count); NaN for none.
@@ -60,6 +123,57 @@ pub fn publish(result: &serde_json::Value, out: Option<&Path>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_split_reads_proc_stat_columns() {
+        let stat = "cpu  10 2 30 400 5 6 7 0 0 0\ncpu0 1 1 1 1 1 1 1 0 0 0\n";
+        let s = CpuSplit::parse(stat).unwrap();
+        assert_eq!(
+            s,
+            CpuSplit {
+                user: 12,
+                system: 30,
+                irq: 13
+            }
+        );
+        let later = CpuSplit {
+            user: 20,
+            system: 31,
+            irq: 13,
+        };
+        assert_eq!(
+            later.since(s),
+            CpuSplit {
+                user: 8,
+                system: 1,
+                irq: 0
+            }
+        );
+        assert!(CpuSplit::parse("cpu 1 2 3\n").is_err());
+    }
+
+    #[test]
+    fn stat_ticks_of_this_process_and_a_missing_one() {
+        // Half a second spinning on this thread: its process is charged for some of it (a
+        // field that does not count CPU time, such as the start time, would not move).
+        let a = stat_ticks("/proc/self/stat").unwrap();
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < std::time::Duration::from_millis(500) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let b = stat_ticks("/proc/self/stat").unwrap();
+        assert!(b > a, "{a} -> {b} ticks after 0.5 s spinning");
+        // Spinning in userspace is user time, not system time.
+        let (u0, s0) = stat_user_system("/proc/self/stat").unwrap();
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let (u1, s1) = stat_user_system("/proc/self/stat").unwrap();
+        assert!(u1 - u0 > s1 - s0, "user {u0} -> {u1}, system {s0} -> {s1}");
+        assert!(stat_ticks("/proc/0/stat").is_err());
+    }
 
     #[test]
     fn median_of_odd_even_and_none() {

@@ -141,6 +141,9 @@ enum Bench {
         /// round in three can be far off under emulation).
         #[arg(long, default_value_t = 5)]
         rounds: u32,
+        /// Parallel TCP streams (iperf3 -P), to offer the engine more than one stream's window.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+        streams: u32,
         /// An ipoib-ctl built from another commit (e.g. a worktree's target/release/ipoib-ctl),
         /// measured on CM beside this build in every round.
         #[arg(long)]
@@ -281,6 +284,7 @@ fn main() -> Result<()> {
                 Bench::Engine {
                     seconds,
                     rounds,
+                    streams,
                     baseline_ctl,
                     baseline_rings,
                 },
@@ -290,6 +294,8 @@ fn main() -> Result<()> {
                 seconds.to_string(),
                 "--rounds".into(),
                 rounds.to_string(),
+                "--streams".into(),
+                streams.to_string(),
             ];
             if let Some(p) = baseline_ctl {
                 // The VM shares this filesystem: the path is the same inside.

@@ -16,6 +16,13 @@
 //! window: how much of the raw RC message rate the engine carries while the kernel's TCP runs
 //! on both ends. The result is one JSON line after `BENCH-JSON `.
 //!
+//! Each run also says where the CPUs went (user, system, interrupts and softirqs, and each
+//! node's `ipoib-ctl`), and each round the sender's CPU time per message: A's `ipoib-ctl`
+//! against `ib_send_bw`'s client. On soft-RoCE a user QP's sends are built by the kernel
+//! inside the post call, so both hold the device's work: whether the engine is held back by
+//! its own thread, and by what beyond the device, is read off these. `--streams N` offers
+//! the engine N TCP streams instead of one.
+//!
 //! With `--baseline-ctl PATH`, a third lab runs that `ipoib-ctl` (built from another commit)
 //! and its CM run joins each round: the engine before and after a change, side by side in
 //! one boot (on an SRQ; with `--baseline-rings`, on rings per connection, beside this build's
@@ -30,7 +37,7 @@ use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
 use ipoib_ctl::{engine::EngineConfig, verbs::Device};
 use ipoib_tests::{
-    bench::{TICKS_PER_S, busy_ticks},
+    bench::{CpuSplit, TICKS_PER_S, busy_ticks, stat_user_system},
     cmlab::rxe_device,
     lab::{Lab, Node, Which, json_u64},
     perftest::SendBw,
@@ -45,6 +52,9 @@ struct Args {
     /// Interleaved rounds (CM, then UD); the median of each is reported.
     #[arg(long, default_value_t = 3)]
     rounds: u32,
+    /// Parallel TCP streams (iperf3 -P): more offered to the engine than one stream's window.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    streams: u32,
     /// An `ipoib-ctl` from another commit, measured on CM (SRQ) in each round beside this one.
     #[arg(long)]
     baseline_ctl: Option<std::path::PathBuf>,
@@ -81,9 +91,60 @@ struct Run {
     engine_msg_per_s: f64,
     engine_msgs: u64,
     engine_mean_size: f64,
+    /// A's `ipoib-ctl` CPU time per RC message its engine posted (seconds): on soft-RoCE a
+    /// send is built in the kernel within the post call, so this holds the device's work too.
+    ctl_a_cpu_s_per_msg: f64,
     /// RNR NAKs the RDMA devices received during the run (a receiver out of posted buffers
     /// told a sender to wait), when the device counts them.
     rnr_naks: Option<u64>,
+    /// Where the CPUs went, in CPUs busy on average over the run (2 = both, all the time):
+    /// userspace, system, interrupts and softirqs; and A's and B's `ipoib-ctl` processes
+    /// (every thread; a syscall's kernel work included, softirqs not).
+    cpus: Cpus,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Cpus {
+    user: f64,
+    system: f64,
+    irq: f64,
+    ctl_a: f64,
+    /// The part of `ctl_a` spent in userspace: the engine's own code.
+    ctl_a_user: f64,
+    ctl_b: f64,
+}
+
+impl Cpus {
+    fn line(&self) -> String {
+        format!(
+            "CPUs busy: user {:.2}, system {:.2}, irq+softirq {:.2}; ipoib-ctl A {:.2} (user {:.2}), B {:.2}",
+            self.user, self.system, self.irq, self.ctl_a, self.ctl_a_user, self.ctl_b
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let r2 = |x: f64| (x * 100.0).round() / 100.0;
+        json!({"user": r2(self.user), "system": r2(self.system), "irq": r2(self.irq),
+               "ctl_a": r2(self.ctl_a), "ctl_a_user": r2(self.ctl_a_user), "ctl_b": r2(self.ctl_b)})
+    }
+}
+
+/// The `ipoib-ctl attach` processes of a lab's two nodes.
+#[derive(Clone, Copy)]
+struct Ctls {
+    a: u32,
+    b: u32,
+}
+
+impl Ctls {
+    /// A's (user, system) ticks and B's user + system.
+    fn ticks(&self) -> Result<((u64, u64), u64)> {
+        let b = stat_user_system(&format!("/proc/{}/stat", self.b))?;
+        Ok((
+            stat_user_system(&format!("/proc/{}/stat", self.a))?,
+            b.0 + b.1,
+        ))
+    }
 }
 
 /// RNR NAKs received so far, summed over every RDMA device and port (`rcvd_rnr_err`, which
@@ -113,7 +174,7 @@ fn naks(r: &Run) -> String {
     r.rnr_naks.map_or("?".into(), |n| n.to_string())
 }
 
-fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
+fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
     let before = a.peer_json(&b_ip)?.context("A knows B")?;
     let engine = |n: &Node| -> Result<(u64, u64)> {
@@ -125,13 +186,19 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
     let rnr0 = rnr_naks();
     let t0 = Instant::now();
     let busy0 = busy_ticks()?;
+    let (split0, ctl0) = (CpuSplit::now()?, ctls.ticks()?);
     let out = a
         .cmd("iperf3")
         .args(["-c", &b_ip, "-p", "5210", "-t", &secs.to_string(), "-J"])
+        .args(["-P", &streams.to_string()])
         .output()
         .context("iperf3 client")?;
     let busy1 = busy_ticks()?;
+    let (split, ctl1) = (CpuSplit::now()?.since(split0), ctls.ticks()?);
     let secs_run = t0.elapsed().as_secs_f64();
+    let busy = |ticks: u64| ticks as f64 / TICKS_PER_S / secs_run;
+    let a_user = (ctl1.0).0.saturating_sub((ctl0.0).0);
+    let a_ticks = a_user + (ctl1.0).1.saturating_sub((ctl0.0).1);
     let e1 = engine(a)?;
     let rnr1 = rnr_naks();
     ensure!(
@@ -155,7 +222,16 @@ fn iperf(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         engine_msg_per_s: (e1.0 - e0.0) as f64 / secs_run,
         engine_msgs: e1.0 - e0.0,
         engine_mean_size: (e1.1 - e0.1) as f64 / (e1.0 - e0.0).max(1) as f64,
+        ctl_a_cpu_s_per_msg: a_ticks as f64 / TICKS_PER_S / (e1.0 - e0.0).max(1) as f64,
         rnr_naks: rnr0.zip(rnr1).map(|(x, y)| y.saturating_sub(x)),
+        cpus: Cpus {
+            user: busy(split.user),
+            system: busy(split.system),
+            irq: busy(split.irq),
+            ctl_a: busy(a_ticks),
+            ctl_a_user: busy(a_user),
+            ctl_b: busy(ctl1.1.saturating_sub(ctl0.1)),
+        },
     })
 }
 
@@ -183,10 +259,12 @@ fn main() -> Result<()> {
 }
 
 /// Both nodes of `lab` attached (with `extra`), and an iperf3 server on B.
-fn start(lab: &mut Lab, dev: &str, extra: &[&str]) -> Result<std::process::Child> {
+fn start(lab: &mut Lab, dev: &str, extra: &[&str]) -> Result<(std::process::Child, Ctls)> {
     let args: Vec<&str> = ["--cm-device", dev].iter().chain(extra).copied().collect();
-    lab.attach(Which::A, &args)?;
-    lab.attach(Which::B, &args)?;
+    let ctls = Ctls {
+        a: lab.attach(Which::A, &args)?,
+        b: lab.attach(Which::B, &args)?,
+    };
     let b_ip = lab.b.ip4.to_string();
     let server = lab
         .b
@@ -197,12 +275,12 @@ fn start(lab: &mut Lab, dev: &str, extra: &[&str]) -> Result<std::process::Child
         .spawn()
         .context("iperf3 server")?;
     std::thread::sleep(Duration::from_millis(300));
-    Ok(server)
+    Ok((server, ctls))
 }
 
 /// The flow from A to B once B is CM at A (mode=connected promotes it as soon as A sends it
 /// anything, after the hold that follows the previous round's demotion).
-fn cm_run(a: &Node, b: &Node, secs: u32) -> Result<Run> {
+fn cm_run(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
     set_mode(a, "connected")?;
     let t = Instant::now();
@@ -213,7 +291,7 @@ fn cm_run(a: &Node, b: &Node, secs: u32) -> Result<Run> {
         std::thread::sleep(Duration::from_millis(500));
     }
     wait_mode(a, &b_ip, "cm_up", Duration::from_secs(1))?;
-    iperf(a, b, secs)
+    iperf(a, b, ctls, secs, streams)
 }
 
 fn bench(
@@ -223,16 +301,19 @@ fn bench(
     dev: &str,
     args: &Args,
 ) -> Result<()> {
-    let mut server = start(lab, dev, &[])?;
-    let mut rings_server = start(rings, dev, &["--srq", "off"])?;
+    let (mut server, ctls) = start(lab, dev, &[])?;
+    let (mut rings_server, ring_ctls) = start(rings, dev, &["--srq", "off"])?;
     let base_extra: &[&str] = if args.baseline_rings {
         &["--srq", "off"]
     } else {
         &[]
     };
-    let mut base_server = match baseline.as_mut() {
-        Some(l) => Some(start(l, dev, base_extra)?),
-        None => None,
+    let (mut base_server, base_ctls) = match baseline.as_mut() {
+        Some(l) => {
+            let (s, c) = start(l, dev, base_extra)?;
+            (Some(s), Some(c))
+        }
+        None => (None, None),
     };
     let base_nodes = baseline.as_ref().map(|l| (l.a.clone(), l.b.clone()));
     let mut base_runs = Vec::new();
@@ -244,11 +325,13 @@ fn bench(
     let mut cm_runs = Vec::new();
     let mut ring_runs = Vec::new();
     let mut ud_runs = Vec::new();
-    let mut perf_runs: Vec<(f64, f64, f64, f64)> = Vec::new();
+    // Per round: the ratio, the engine's rate and mean size, ib_send_bw's rate, and the
+    // sender's CPU seconds per message of each (ib_send_bw's on events).
+    let mut perf_runs: Vec<(f64, f64, f64, f64, f64, f64)> = Vec::new();
     let mut err = None;
     for round in 0..args.rounds {
         let r = (|| -> Result<()> {
-            let cm = cm_run(&a, &b, args.seconds)?;
+            let cm = cm_run(&a, &b, ctls, args.seconds, args.streams)?;
             // Raw RC between the same namespaces, messages of the engine's mean size, about
             // as many as the engine moved.
             let perftest = SendBw {
@@ -260,18 +343,28 @@ fn bench(
                 server_ns: &b.ns,
                 client_ns: Some(&a.ns),
                 server: b.ip4.into(),
+                events: false,
             };
-            let perf = perftest.msg_per_s(cm.engine_msgs)?;
+            let perf_rate = perftest.rate(cm.engine_msgs)?;
+            let perf = perf_rate.msg_per_s;
+            // The same on a completion channel, as the engine waits: its client's CPU is
+            // then the work a message costs, without the spinning (not the yardstick of the
+            // rate: ib_send_bw's default, polling, is the device's best).
+            let perf_events = SendBw {
+                events: true,
+                ..perftest
+            }
+            .rate(cm.engine_msgs)?;
             // UD: mode=datagram drains the connection; the fast path sends everything UD.
             set_mode(&a, "datagram")?;
             wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))?;
             // CM again, on rings per connection, in the other lab.
-            let on_rings = cm_run(&ra, &rb, args.seconds)?;
+            let on_rings = cm_run(&ra, &rb, ring_ctls, args.seconds, args.streams)?;
             set_mode(&ra, "datagram")?;
             wait_mode(&ra, &rb.ip4.to_string(), "ud", Duration::from_secs(10))?;
-            let ud = iperf(&a, &b, args.seconds)?;
-            if let Some((ba, bb)) = &base_nodes {
-                let base = cm_run(ba, bb, args.seconds)?;
+            let ud = iperf(&a, &b, ctls, args.seconds, args.streams)?;
+            if let (Some((ba, bb)), Some(bc)) = (&base_nodes, base_ctls) {
+                let base = cm_run(ba, bb, bc, args.seconds, args.streams)?;
                 set_mode(ba, "datagram")?;
                 wait_mode(ba, &bb.ip4.to_string(), "ud", Duration::from_secs(10))?;
                 let (model, mine) = if args.baseline_rings {
@@ -312,11 +405,24 @@ fn bench(
                 ud.mbit_s,
                 ud.cpu_s_per_gb
             );
+            for (path, r) in [("CM", &cm), ("CM on rings", &on_rings), ("UD", &ud)] {
+                eprintln!("round {round}: {path}: {}", r.cpus.line());
+            }
+            eprintln!(
+                "round {round}: sender's CPU per message: A's ipoib-ctl {:.2} ms; ib_send_bw's client {:.2} ms polling, \
+                 {:.2} ms on events ({:.0} msg/s)",
+                cm.ctl_a_cpu_s_per_msg * 1e3,
+                perf_rate.client_cpu_s_per_msg * 1e3,
+                perf_events.client_cpu_s_per_msg * 1e3,
+                perf_events.msg_per_s
+            );
             perf_runs.push((
                 cm.engine_msg_per_s / perf,
                 cm.engine_msg_per_s,
                 cm.engine_mean_size,
                 perf,
+                cm.ctl_a_cpu_s_per_msg,
+                perf_events.client_cpu_s_per_msg,
             ));
             cm_runs.push(cm);
             ring_runs.push(on_rings);
@@ -358,7 +464,8 @@ fn bench(
     let (cm, on_rings, ud) = (med(&mut cm_runs), med(&mut ring_runs), med(&mut ud_runs));
     perf_runs.sort_by(|x, y| x.0.total_cmp(&y.0));
     // The round with the median ratio, its own figures beside it.
-    let (engine_over_perftest, engine_rate, engine_size, perf) = perf_runs[perf_runs.len() / 2];
+    let (engine_over_perftest, engine_rate, engine_size, perf, engine_cpu, perf_cpu) =
+        perf_runs[perf_runs.len() / 2];
     let r1 = |x: f64| (x * 10.0).round() / 10.0;
     let out = json!({
         "bench": "engine",
@@ -366,14 +473,17 @@ fn bench(
         "kernel": String::from_utf8_lossy(&Command::new("uname").arg("-r").output()?.stdout).trim(),
         "seconds": args.seconds,
         "rounds": args.rounds,
-        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks},
-        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0, "rnr_naks": on_rings.rnr_naks},
-        "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb)},
+        "streams": args.streams,
+        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks, "cpus": cm.cpus.json()},
+        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0, "rnr_naks": on_rings.rnr_naks, "cpus": on_rings.cpus.json()},
+        "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb), "cpus": ud.cpus.json()},
         "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
         "engine_msg_per_s": engine_rate.round(),
         "engine_mean_size": engine_size.round(),
         "ib_send_bw_msg_per_s": perf.round(),
         "engine_over_ib_send_bw": (engine_over_perftest * 1000.0).round() / 1000.0,
+        "engine_ctl_cpu_ms_per_msg": (engine_cpu * 1e5).round() / 100.0,
+        "ib_send_bw_events_client_cpu_ms_per_msg": (perf_cpu * 1e5).round() / 100.0,
         "baseline": base.map(|b| json!({
             "ctl": args.baseline_ctl.as_ref().map(|p| p.display().to_string()),
             "receives": if args.baseline_rings { "rings" } else { "srq" },
@@ -401,6 +511,11 @@ fn bench(
     println!(
         "engine: {:.0} msg/s of {:.0} B (CM run) vs ib_send_bw {perf:.0} msg/s: {engine_over_perftest:.2} (median round)",
         engine_rate, engine_size
+    );
+    println!(
+        "sender's CPU per message, that round: A's ipoib-ctl {:.2} ms, ib_send_bw's client (on events) {:.2} ms",
+        engine_cpu * 1e3,
+        perf_cpu * 1e3
     );
     println!("BENCH-JSON {out}");
     Ok(())

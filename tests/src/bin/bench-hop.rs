@@ -42,7 +42,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use clap::Parser;
 use ipoib_ctl::tun::{TUN_READ_MAX, Tun};
 use ipoib_tests::{
-    bench::{TICKS_PER_S, busy_ticks, median, publish},
+    bench::{TICKS_PER_S, busy_ticks, median, publish, stat_ticks},
     cmlab::in_netns,
 };
 use serde_json::json;
@@ -157,20 +157,9 @@ impl Drop for Relay {
     }
 }
 
-/// user + system ticks of thread `tid` of this process (/proc/self/task/TID/stat).
+/// user + system ticks of thread `tid` of this process.
 fn thread_ticks(tid: i32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))?;
-    // After the command's closing parenthesis: field 3 (state) onward; utime and stime are
-    // fields 14 and 15.
-    let rest = stat.rsplit_once(')').context("task stat")?.1;
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .map(|w| w.parse().unwrap_or(0))
-        .collect();
-    ensure!(f.len() == 2, "task stat: {stat}");
-    Ok(f[0] + f[1])
+    stat_ticks(&format!("/proc/self/task/{tid}/stat"))
 }
 
 /// Moves packets from `from` to `to` as the engine does: non-blocking reads until the device

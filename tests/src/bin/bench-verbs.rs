@@ -118,10 +118,11 @@ fn main() -> Result<()> {
                 server_ns: &ns.name,
                 client_ns: None,
                 server: addr.ip(),
+                events: false,
             };
             let p = Rate {
                 msgs: iters * u64::from(n),
-                msg_per_s: perftest.msg_per_s(iters)?,
+                msg_per_s: perftest.rate(iters)?.msg_per_s,
                 size: args.size,
             };
             eprintln!(
