@@ -77,7 +77,7 @@ impl SendBw<'_> {
 
     /// One run; the client's wall time and CPU time in seconds.
     fn once(&self, iters: u64) -> Result<(f64, f64)> {
-        let common = [
+        let mut common = vec![
             "-d".to_string(),
             self.dev.to_string(),
             "-x".into(),
@@ -92,7 +92,6 @@ impl SendBw<'_> {
             iters.to_string(),
             "-F".into(),
         ];
-        let mut common = common.to_vec();
         if self.events {
             common.push("-e".into());
         }
