@@ -30,3 +30,30 @@ pub fn delayed_interval(period: std::time::Duration) -> tokio::time::Interval {
     i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     i
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Both readings advance as std's Instant (CLOCK_MONOTONIC too) does over the same span,
+    /// to within the coarse clock's tick.
+    #[test]
+    fn both_clocks_advance_as_the_monotonic_clock_does() {
+        let t = Instant::now();
+        let (fine0, coarse0) = (monotonic_ns(), monotonic_coarse_ns());
+        std::thread::sleep(Duration::from_millis(1200));
+        let (fine1, coarse1) = (monotonic_ns(), monotonic_coarse_ns());
+        let elapsed = t.elapsed().as_nanos() as u64;
+        let fine = fine1 - fine0;
+        assert!(
+            fine <= elapsed && elapsed - fine < 20_000_000,
+            "{fine} vs {elapsed}"
+        );
+        let coarse = coarse1.abs_diff(coarse0);
+        assert!(
+            coarse.abs_diff(elapsed) < 20_000_000,
+            "{coarse} vs {elapsed}"
+        );
+    }
+}

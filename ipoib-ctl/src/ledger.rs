@@ -302,6 +302,23 @@ mod tests {
     }
 
     #[test]
+    fn as_the_engines_budget_a_ledger_takes_gives_back_and_refuses_when_it_cannot_be_read() {
+        let d = dir("trait");
+        let ib0 = Ledger::join_at(&d, "ib0", 8 * MIB).unwrap();
+        let budget: &dyn SharedBudget = &ib0;
+        assert!(budget.take(6 * MIB));
+        assert!(!budget.take(4 * MIB), "8 MiB is the budget");
+        budget.give_back(6 * MIB);
+        assert_eq!(ib0.held(), 0);
+        assert!(budget.take(8 * MIB), "what was given back");
+        budget.give_back(8 * MIB);
+        // The ledger's directory gone: it cannot be read, and the budget is a limit.
+        std::fs::remove_dir_all(&d).unwrap();
+        assert!(!budget.take(MIB));
+        assert_eq!(ib0.held(), 0);
+    }
+
+    #[test]
     fn a_dead_process_holds_nothing() {
         let d = dir("dead");
         let ib1 = Ledger::join_at(&d, "ib1", 8 * MIB).unwrap();

@@ -222,8 +222,8 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
     let state = attach::read_state(iface);
     let policy = maps.policy()?;
     let hb = maps.heartbeat()?;
-    let now = monotonic_ns();
-    let age_ns = (hb.monotonic_ns != 0).then(|| now.saturating_sub(hb.monotonic_ns));
+    let (heartbeat_age_ms, failsafe_active) =
+        heartbeat_seen(monotonic_ns(), hb.monotonic_ns, policy.heartbeat_timeout_ns);
     let reasons = maps
         .reasons()?
         .into_iter()
@@ -246,9 +246,9 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
             .map(|s| format!("{:?}", s.egress).to_lowercase()),
         xdp_mode: state.as_ref().map(|s| s.xdp_mode.clone()),
         policy: PolicyView::new(&policy, state.as_ref()),
-        heartbeat_age_ms: age_ns.map(|a| a / 1_000_000),
+        heartbeat_age_ms,
         heartbeat_writer_pid: hb.writer_pid,
-        failsafe_active: age_ns.is_none_or(|a| a > policy.heartbeat_timeout_ns),
+        failsafe_active,
         loop_pid,
         loop_running: loop_pid.is_some_and(pid_alive),
         reasons,
@@ -256,6 +256,17 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
         cm: crate::connmgr::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
         presence: state.as_ref().map(attach::presence),
     })
+}
+
+/// The heartbeat's age in milliseconds (None: never written, a stamp of 0) at `now_ns`, and
+/// whether the fast path's fail-safe is on: never written, or older than `timeout_ns`, as the
+/// programs judge it.
+fn heartbeat_seen(now_ns: u64, written_ns: u64, timeout_ns: u64) -> (Option<u64>, bool) {
+    let age_ns = (written_ns != 0).then(|| now_ns.saturating_sub(written_ns));
+    (
+        age_ns.map(|a| a / 1_000_000),
+        age_ns.is_none_or(|a| a > timeout_ns),
+    )
 }
 
 fn human_bytes(b: u64) -> String {
@@ -476,6 +487,206 @@ fn render_engine(out: &mut String, cm: &crate::connmgr::CmStatus) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn policy_view() -> PolicyView {
+        PolicyView {
+            link: "ipoib".into(),
+            mode: "auto".into(),
+            cm_threshold: 1024,
+            heartbeat_timeout_ms: 3000,
+            kernel_cm: false,
+            ctl_port: 18515,
+            any_blocked: false,
+            memory_budget: None,
+            max_connections: None,
+        }
+    }
+
+    fn status() -> Status {
+        Status {
+            iface: "ib0".into(),
+            ifindex: Some(7),
+            egress_attach: Some("tcx".into()),
+            xdp_mode: Some("native".into()),
+            policy: policy_view(),
+            heartbeat_age_ms: Some(120),
+            heartbeat_writer_pid: 42,
+            failsafe_active: false,
+            loop_pid: Some(42),
+            loop_running: true,
+            reasons: BTreeMap::new(),
+            peers: Vec::new(),
+            cm: None,
+            presence: Some(attach::Presence::Here),
+        }
+    }
+
+    #[test]
+    fn bytes_are_shown_in_the_largest_binary_unit_under_1024() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1024), "1.0 KiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 20), "3.0 MiB");
+        assert_eq!(human_bytes(5 << 30), "5.0 GiB");
+        assert_eq!(human_bytes(1 << 40), "1.0 TiB");
+        // No unit past TiB: a PiB is 1024 of them.
+        assert_eq!(human_bytes(1 << 50), "1024.0 TiB");
+    }
+
+    #[test]
+    fn the_heartbeat_is_stale_only_past_the_timeout() {
+        let ms = 1_000_000;
+        assert_eq!(heartbeat_seen(5_000 * ms, 0, 3_000 * ms), (None, true));
+        assert_eq!(
+            heartbeat_seen(5_000 * ms, 4_000 * ms, 3_000 * ms),
+            (Some(1_000), false)
+        );
+        // Exactly the timeout old: still trusted, as the programs judge it; a nanosecond
+        // more and the fail-safe is on.
+        assert_eq!(
+            heartbeat_seen(5_000 * ms, 2_000 * ms, 3_000 * ms),
+            (Some(3_000), false)
+        );
+        assert_eq!(
+            heartbeat_seen(5_000 * ms + 1, 2_000 * ms, 3_000 * ms),
+            (Some(3_000), true)
+        );
+        // A stamp from the future (another reader's clock a moment ahead) is 0 ms old.
+        assert_eq!(heartbeat_seen(ms, 2 * ms, 3_000 * ms), (Some(0), false));
+    }
+
+    #[test]
+    fn peer_modes_by_name_and_unknown_ones_by_number() {
+        assert_eq!(mode_name(PeerMode::Ud as u8), "ud");
+        assert_eq!(mode_name(PeerMode::CmPending as u8), "cm_pending");
+        assert_eq!(mode_name(PeerMode::CmUp as u8), "cm_up");
+        assert_eq!(mode_name(200), "unknown(200)");
+    }
+
+    #[test]
+    fn this_process_is_alive_and_a_pid_past_the_kernels_limit_is_not() {
+        assert!(pid_alive(std::process::id()));
+        // pid_max is at most 2^22.
+        assert!(!pid_alive((1 << 22) + 1));
+    }
+
+    #[test]
+    fn only_decisions_that_counted_packets_are_listed() {
+        let mut s = status();
+        let mut out = String::new();
+        render_reasons(&mut out, &s);
+        assert!(out.contains("(no packets yet)"), "{out}");
+        // Decisions known but none taken yet: the same.
+        s.reasons.insert("cm_bulk".into(), CounterView::default());
+        let mut out = String::new();
+        render_reasons(&mut out, &s);
+        assert!(out.contains("(no packets yet)"), "{out}");
+        s.reasons.insert(
+            "ud_small".into(),
+            CounterView {
+                packets: 3,
+                bytes: 2048,
+            },
+        );
+        let mut out = String::new();
+        render_reasons(&mut out, &s);
+        assert!(!out.contains("(no packets yet)"), "{out}");
+        let line = out.lines().find(|l| l.contains("ud_small")).expect(&out);
+        assert!(
+            line.contains(" 3 pkts") && line.contains("2.0 KiB"),
+            "{line}"
+        );
+        assert!(!out.contains("cm_bulk"), "{out}");
+    }
+
+    #[test]
+    fn status_says_where_the_interface_is_and_how_its_loop_is() {
+        let mut s = status();
+        let here = render(&s);
+        assert!(
+            here.starts_with("ib0: ifindex 7 egress tcx xdp native\n"),
+            "{here}"
+        );
+        assert!(!here.contains("STALE") && !here.contains("another network namespace"));
+        assert!(
+            here.contains("control loop: running (pid 42); heartbeat 120 ms old\n"),
+            "{here}"
+        );
+        assert!(here.contains("connected mode: not running"), "{here}");
+        assert!(
+            here.contains("policy: mode=auto cm-threshold=1024"),
+            "{here}"
+        );
+        s.presence = Some(attach::Presence::Gone);
+        let gone = render(&s);
+        assert!(
+            gone.contains("STALE: ib0 is gone") && gone.contains("`ipoib-ctl detach ib0`"),
+            "{gone}"
+        );
+        s.presence = Some(attach::Presence::Elsewhere);
+        assert!(render(&s).contains("in another network namespace"));
+        s.presence = None;
+        s.loop_running = false;
+        s.heartbeat_age_ms = None;
+        s.failsafe_active = true;
+        let dead = render(&s);
+        assert!(
+            dead.contains(
+                "control loop: gone (pid 42 exited); heartbeat never written -> FAIL-SAFE"
+            ),
+            "{dead}"
+        );
+        s.loop_pid = None;
+        assert!(render(&s).contains("control loop: not running;"));
+    }
+
+    #[test]
+    fn the_policy_line_and_file_show_every_setting() {
+        let mut p = policy_view();
+        assert_eq!(
+            p.render(),
+            "mode=auto cm-threshold=1024 heartbeat-timeout=3000ms kernel-cm=off ctl-port=18515 \
+             memory-budget=auto max-connections=plan (link ipoib)"
+        );
+        let file = p.render_file(
+            "ib0",
+            &[
+                ("10.0.0.7".into(), "ud".into()),
+                ("10.0.0.8".into(), "auto".into()),
+                ("fd00::9".into(), "block".into()),
+            ],
+        );
+        let lines: Vec<&str> = file.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            lines,
+            [
+                "mode=auto",
+                "cm-threshold=1024",
+                "heartbeat-timeout=3000ms",
+                "kernel-cm=off",
+                "ctl-port=18515",
+                "peer=10.0.0.7:ud",
+                "peer=[fd00::9]:block",
+            ]
+        );
+        assert!(file.contains("# memory-budget: worked out by the control loop"));
+        p.memory_budget = Some(512 << 20);
+        p.max_connections = Some(16);
+        p.kernel_cm = true;
+        assert!(p.render().contains("kernel-cm=on"));
+        assert!(
+            p.render()
+                .contains("memory-budget=512MiB max-connections=16 (link ipoib)")
+        );
+        let file = p.render_file("ib0", &[]);
+        assert!(
+            file.contains("kernel-cm=on\n")
+                && file.contains("\nmemory-budget=512MiB\n")
+                && file.contains("\nmax-connections=16\n"),
+            "{file}"
+        );
+    }
 
     fn peer(addr: &str) -> PeerView {
         PeerView {
