@@ -9,30 +9,16 @@ pub const TICKS_PER_S: f64 = 100.0;
 
 /// Busy ticks of all CPUs together (everything but idle and iowait), from /proc/stat.
 pub fn busy_ticks() -> Result<u64> {
-    let v = all_cpus(&std::fs::read_to_string("/proc/stat")?, 5)?;
-    let idle = v[3] + v[4];
-    Ok(v.iter().sum::<u64>() - idle)
+    Ok(CpuSplit::now()?.busy)
 }
 
-/// The columns of /proc/stat's first line (all CPUs together), at least `columns` of them.
-fn all_cpus(stat: &str, columns: usize) -> Result<Vec<u64>> {
-    let v: Vec<u64> = stat
-        .lines()
-        .next()
-        .context("/proc/stat")?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    ensure!(v.len() >= columns, "/proc/stat: {v:?}");
-    Ok(v)
-}
-
-/// Busy ticks of all CPUs together, split by what ran: userspace, the kernel on behalf of a
-/// process (system), and interrupts and softirqs (where soft-RoCE and the network stack's
-/// receive side do most of their work). From /proc/stat's first line.
+/// Busy ticks of all CPUs together, and split by what ran: userspace, the kernel on behalf
+/// of a process (system), and interrupts and softirqs (where soft-RoCE and the network
+/// stack's receive side do most of their work). From /proc/stat's first line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuSplit {
+    /// Every column but idle and iowait.
+    pub busy: u64,
     pub user: u64,
     pub system: u64,
     pub irq: u64,
@@ -45,8 +31,17 @@ impl CpuSplit {
 
     /// From /proc/stat's text: `cpu user nice system idle iowait irq softirq steal ...`.
     pub fn parse(stat: &str) -> Result<Self> {
-        let v = all_cpus(stat, 7)?;
+        let v: Vec<u64> = stat
+            .lines()
+            .next()
+            .context("/proc/stat")?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        ensure!(v.len() >= 7, "/proc/stat: {v:?}");
         Ok(Self {
+            busy: v.iter().sum::<u64>() - v[3] - v[4],
             user: v[0] + v[1],
             system: v[2],
             irq: v[5] + v[6],
@@ -56,6 +51,7 @@ impl CpuSplit {
     /// What ran between `before` and `self`.
     pub fn since(self, before: Self) -> Self {
         Self {
+            busy: self.busy.saturating_sub(before.busy),
             user: self.user.saturating_sub(before.user),
             system: self.system.saturating_sub(before.system),
             irq: self.irq.saturating_sub(before.irq),
@@ -131,12 +127,14 @@ mod tests {
         assert_eq!(
             s,
             CpuSplit {
+                busy: 55,
                 user: 12,
                 system: 30,
                 irq: 13
             }
         );
         let later = CpuSplit {
+            busy: 66,
             user: 20,
             system: 31,
             irq: 13,
@@ -144,6 +142,7 @@ mod tests {
         assert_eq!(
             later.since(s),
             CpuSplit {
+                busy: 11,
                 user: 8,
                 system: 1,
                 irq: 0
@@ -154,22 +153,22 @@ mod tests {
 
     #[test]
     fn stat_ticks_of_this_process_and_a_missing_one() {
+        let spin = |ms: u64| {
+            let t = std::time::Instant::now();
+            let mut x = 0u64;
+            while t.elapsed() < std::time::Duration::from_millis(ms) {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+        };
         // Half a second spinning on this thread: its process is charged for some of it (a
         // field that does not count CPU time, such as the start time, would not move).
         let a = stat_ticks("/proc/self/stat").unwrap();
-        let t = std::time::Instant::now();
-        let mut x = 0u64;
-        while t.elapsed() < std::time::Duration::from_millis(500) {
-            x = std::hint::black_box(x.wrapping_add(1));
-        }
+        spin(500);
         let b = stat_ticks("/proc/self/stat").unwrap();
         assert!(b > a, "{a} -> {b} ticks after 0.5 s spinning");
         // Spinning in userspace is user time, not system time.
         let (u0, s0) = stat_user_system("/proc/self/stat").unwrap();
-        let t = std::time::Instant::now();
-        while t.elapsed() < std::time::Duration::from_millis(300) {
-            x = std::hint::black_box(x.wrapping_add(1));
-        }
+        spin(300);
         let (u1, s1) = stat_user_system("/proc/self/stat").unwrap();
         assert!(u1 - u0 > s1 - s0, "user {u0} -> {u1}, system {s0} -> {s1}");
         assert!(stat_ticks("/proc/0/stat").is_err());

@@ -37,10 +37,10 @@ use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
 use ipoib_ctl::{engine::EngineConfig, verbs::Device};
 use ipoib_tests::{
-    bench::{CpuSplit, TICKS_PER_S, busy_ticks, stat_user_system},
+    bench::{CpuSplit, TICKS_PER_S, stat_user_system},
     cmlab::rxe_device,
     lab::{Lab, Node, Which, json_u64},
-    perftest::SendBw,
+    perftest::{SendBw, SendBwRate},
 };
 use serde_json::json;
 
@@ -137,13 +137,26 @@ struct Ctls {
 }
 
 impl Ctls {
-    /// A's (user, system) ticks and B's user + system.
-    fn ticks(&self) -> Result<((u64, u64), u64)> {
-        let b = stat_user_system(&format!("/proc/{}/stat", self.b))?;
-        Ok((
-            stat_user_system(&format!("/proc/{}/stat", self.a))?,
-            b.0 + b.1,
-        ))
+    /// (user, system) ticks of A's process and of B's.
+    fn ticks(&self) -> Result<[(u64, u64); 2]> {
+        let of = |pid: u32| stat_user_system(&format!("/proc/{pid}/stat"));
+        Ok([of(self.a)?, of(self.b)?])
+    }
+}
+
+/// One round's CM run beside `ib_send_bw` between the same namespaces: polling (the rate's
+/// yardstick) and on events (the CPU per message's).
+#[derive(Clone, Copy)]
+struct PerfRound {
+    engine: Run,
+    polling: SendBwRate,
+    events: SendBwRate,
+}
+
+impl PerfRound {
+    /// The engine's message rate over `ib_send_bw`'s.
+    fn ratio(&self) -> f64 {
+        self.engine.engine_msg_per_s / self.polling.msg_per_s
     }
 }
 
@@ -185,7 +198,6 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
     let e0 = engine(a)?;
     let rnr0 = rnr_naks();
     let t0 = Instant::now();
-    let busy0 = busy_ticks()?;
     let (split0, ctl0) = (CpuSplit::now()?, ctls.ticks()?);
     let out = a
         .cmd("iperf3")
@@ -193,12 +205,18 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
         .args(["-P", &streams.to_string()])
         .output()
         .context("iperf3 client")?;
-    let busy1 = busy_ticks()?;
     let (split, ctl1) = (CpuSplit::now()?.since(split0), ctls.ticks()?);
     let secs_run = t0.elapsed().as_secs_f64();
     let busy = |ticks: u64| ticks as f64 / TICKS_PER_S / secs_run;
-    let a_user = (ctl1.0).0.saturating_sub((ctl0.0).0);
-    let a_ticks = a_user + (ctl1.0).1.saturating_sub((ctl0.0).1);
+    // (user, system) ticks node `i`'s ipoib-ctl spent during the run.
+    let spent = |i: usize| {
+        (
+            ctl1[i].0.saturating_sub(ctl0[i].0),
+            ctl1[i].1.saturating_sub(ctl0[i].1),
+        )
+    };
+    let ((a_user, a_system), (b_user, b_system)) = (spent(0), spent(1));
+    let a_ticks = a_user + a_system;
     let e1 = engine(a)?;
     let rnr1 = rnr_naks();
     ensure!(
@@ -214,7 +232,7 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
         .unwrap_or(0.0);
     let d = |k: &str| after[k].as_u64().unwrap_or(0) - before[k].as_u64().unwrap_or(0);
     let (cm, ud) = (d("tx_cm_bytes") as f64, d("tx_ud_bytes") as f64);
-    let cpu_s = (busy1 - busy0) as f64 / TICKS_PER_S;
+    let cpu_s = split.busy as f64 / TICKS_PER_S;
     Ok(Run {
         mbit_s: bps / 1e6,
         cpu_s_per_gb: cpu_s / (bytes / 1e9),
@@ -230,7 +248,7 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
             irq: busy(split.irq),
             ctl_a: busy(a_ticks),
             ctl_a_user: busy(a_user),
-            ctl_b: busy(ctl1.1.saturating_sub(ctl0.1)),
+            ctl_b: busy(b_user + b_system),
         },
     })
 }
@@ -325,9 +343,7 @@ fn bench(
     let mut cm_runs = Vec::new();
     let mut ring_runs = Vec::new();
     let mut ud_runs = Vec::new();
-    // Per round: the ratio, the engine's rate and mean size, ib_send_bw's rate, and the
-    // sender's CPU seconds per message of each (ib_send_bw's on events).
-    let mut perf_runs: Vec<(f64, f64, f64, f64, f64, f64)> = Vec::new();
+    let mut perf_runs: Vec<PerfRound> = Vec::new();
     let mut err = None;
     for round in 0..args.rounds {
         let r = (|| -> Result<()> {
@@ -416,14 +432,11 @@ fn bench(
                 perf_events.client_cpu_s_per_msg * 1e3,
                 perf_events.msg_per_s
             );
-            perf_runs.push((
-                cm.engine_msg_per_s / perf,
-                cm.engine_msg_per_s,
-                cm.engine_mean_size,
-                perf,
-                cm.ctl_a_cpu_s_per_msg,
-                perf_events.client_cpu_s_per_msg,
-            ));
+            perf_runs.push(PerfRound {
+                engine: cm,
+                polling: perf_rate,
+                events: perf_events,
+            });
             cm_runs.push(cm);
             ring_runs.push(on_rings);
             ud_runs.push(ud);
@@ -462,10 +475,17 @@ fn bench(
     base_ratio.sort_by(f64::total_cmp);
     let base = (!base_runs.is_empty()).then(|| med(&mut base_runs));
     let (cm, on_rings, ud) = (med(&mut cm_runs), med(&mut ring_runs), med(&mut ud_runs));
-    perf_runs.sort_by(|x, y| x.0.total_cmp(&y.0));
+    perf_runs.sort_by(|x, y| x.ratio().total_cmp(&y.ratio()));
     // The round with the median ratio, its own figures beside it.
-    let (engine_over_perftest, engine_rate, engine_size, perf, engine_cpu, perf_cpu) =
-        perf_runs[perf_runs.len() / 2];
+    let median = perf_runs[perf_runs.len() / 2];
+    let (engine_over_perftest, engine_rate, engine_size, perf, engine_cpu, perf_cpu) = (
+        median.ratio(),
+        median.engine.engine_msg_per_s,
+        median.engine.engine_mean_size,
+        median.polling.msg_per_s,
+        median.engine.ctl_a_cpu_s_per_msg,
+        median.events.client_cpu_s_per_msg,
+    );
     let r1 = |x: f64| (x * 10.0).round() / 10.0;
     let out = json!({
         "bench": "engine",
