@@ -391,6 +391,10 @@ const _: () = assert!(PEER_CACHE_SLOTS.is_power_of_two());
 /// [`Heartbeat::peers_stamp`]). A hit costs no hash lookup (the map's hash, bucket walk and key
 /// compare are calls, 30 ns of 70-80 per packet on an EPYC with SRSO's return thunks); a
 /// miss, or another key in the slot, costs the lookup and fills the slot.
+///
+/// Each slot also counts what it answered since the programs were loaded (kept across fills):
+/// the cache's hit rate on a node, which only its own traffic can tell (`ipoib-ctl status`
+/// sums them). A hit adds to a line the packet has just read; a miss was a lookup anyway.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PeerCacheSlot {
@@ -402,6 +406,14 @@ pub struct PeerCacheSlot {
     /// The entry when `state` is [`peer_cache::FOUND`], else zeros.
     pub entry: PeerEntry,
     pub _pad: [u8; 4],
+    /// Lookups this slot answered.
+    pub hits: u64,
+    /// Lookups of the key the slot held, under an older heartbeat: a write to the peers map
+    /// or a beat since it was filled (what the control plane's writes cost the cache).
+    pub misses_stale: u64,
+    /// Lookups of a key the slot did not hold: empty, or another peer's (what the cache's
+    /// size costs, when peers that share a slot take turns).
+    pub misses_other: u64,
 }
 
 /// [`PeerCacheSlot::state`].
@@ -697,10 +709,12 @@ mod tests {
         assert_eq!(offset_of!(Heartbeat, peers_stamp), 12);
         assert_eq!(
             (size_of::<PeerCacheSlot>(), align_of::<PeerCacheSlot>()),
-            (8 + 4 + 4 + 20 + 16 + 4, 8)
+            (8 + 4 + 4 + 20 + 16 + 4 + 3 * 8, 8)
         );
         assert_eq!(offset_of!(PeerCacheSlot, key), 16);
         assert_eq!(offset_of!(PeerCacheSlot, entry), 36);
+        assert_eq!(offset_of!(PeerCacheSlot, hits), 56);
+        assert_eq!(offset_of!(PeerCacheSlot, misses_other), 72);
         assert_eq!(8 * 8, size_of::<PeerTraffic>());
         assert_eq!(8 + 8, size_of::<Counter>());
         assert_eq!((size_of::<TickCache>(), align_of::<TickCache>()), (24, 8));

@@ -7,8 +7,8 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues},
 };
 use ipoib_common::{
-    Counter, Heartbeat, MAX_TRAFFIC_PEERS, PeerEntry, PeerKey, PeerTraffic, Policy, REASON_COUNT,
-    Reason, map_names, peer_mode, peer_pin,
+    Counter, Heartbeat, MAX_TRAFFIC_PEERS, PEER_CACHE_SLOTS, PeerCacheSlot, PeerEntry, PeerKey,
+    PeerTraffic, Policy, REASON_COUNT, Reason, map_names, peer_cache, peer_mode, peer_pin,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +29,12 @@ pub enum MapsError {
     },
     #[error("counting the possible CPUs: {0}")]
     Cpus(#[source] std::io::Error),
+    #[error("the maps of program {path}: {source}")]
+    ProgramMaps {
+        path: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
     #[error("pinning map {name} at {}: {source}", path.display())]
     Pin {
         name: &'static str,
@@ -73,6 +79,88 @@ where
     T: TryFrom<Map, Error = MapError>,
 {
     T::try_from(map).map_err(in_map(name))
+}
+
+/// What the fast path's per-CPU peer cache answered since its programs were loaded, summed over
+/// its slots and every CPU (the counts of `PeerCacheSlot`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PeerCacheCounts {
+    pub hits: u64,
+    /// The slot held the peer under an older heartbeat (a write to the peers map, or a beat).
+    pub misses_stale: u64,
+    /// The slot was empty or held another peer.
+    pub misses_other: u64,
+    /// Slots holding an answer now, over every CPU.
+    pub slots_filled: u64,
+}
+
+impl PeerCacheCounts {
+    fn add(&mut self, s: &PeerCacheSlot) {
+        self.hits = self.hits.saturating_add(s.hits);
+        self.misses_stale = self.misses_stale.saturating_add(s.misses_stale);
+        self.misses_other = self.misses_other.saturating_add(s.misses_other);
+        self.slots_filled += u64::from(s.state != peer_cache::EMPTY);
+    }
+
+    /// Every lookup of the peers map's answers the programs made.
+    pub fn lookups(&self) -> u64 {
+        self.hits
+            .saturating_add(self.misses_stale)
+            .saturating_add(self.misses_other)
+    }
+
+    /// The share of lookups the cache answered, in percent (None before the first lookup).
+    pub fn hit_percent(&self) -> Option<f64> {
+        let n = self.lookups();
+        (n > 0).then(|| self.hits as f64 * 100.0 / n as f64)
+    }
+}
+
+/// The peer cache of the loaded program `prog` (the egress program's object holds the one
+/// cache both programs use), found among the program's maps by name: it is not pinned.
+/// `None` when the program has no cache that counts (a build from before the counts: same pins
+/// and layout, a smaller slot).
+pub fn peer_cache_of(
+    prog: &aya::programs::ProgramInfo,
+    path: &str,
+) -> Result<Option<PeerCacheCounts>> {
+    let in_prog = |source| MapsError::ProgramMaps {
+        path: path.to_owned(),
+        source,
+    };
+    for id in prog.map_ids().map_err(in_prog)?.unwrap_or_default() {
+        let Ok(data) = MapData::from_id(id) else {
+            // Freed since the program's list was read: not the cache the program holds.
+            continue;
+        };
+        let info = data.info().map_err(in_map(map_names::PEER_CACHE))?;
+        if info.name_as_str() != Some(map_names::PEER_CACHE) {
+            continue;
+        }
+        if info.value_size() as usize != size_of::<PeerCacheSlot>() {
+            return Ok(None);
+        }
+        let cache: PerCpuArray<MapData, PeerCacheSlot> = typed(
+            map_names::PEER_CACHE,
+            Map::from_map_data(data).map_err(in_map(map_names::PEER_CACHE))?,
+        )?;
+        let mut counts = PeerCacheCounts::default();
+        for i in 0..PEER_CACHE_SLOTS {
+            let per_cpu = cache.get(&i, 0).map_err(in_map(map_names::PEER_CACHE))?;
+            per_cpu.iter().for_each(|s| counts.add(s));
+        }
+        return Ok(Some(counts));
+    }
+    Ok(None)
+}
+
+/// [`peer_cache_of`] the program pinned at `prog_pin`.
+pub fn peer_cache_pinned(prog_pin: &Path) -> Result<Option<PeerCacheCounts>> {
+    let path = prog_pin.display().to_string();
+    match aya::programs::ProgramInfo::from_pin(prog_pin) {
+        Ok(info) => peer_cache_of(&info, &path),
+        Err(source) => Err(MapsError::ProgramMaps { path, source }),
+    }
 }
 
 /// The peers map and every peer's traffic, read together by
@@ -401,4 +489,48 @@ fn sum_traffic(per_cpu: &PerCpuValues<PeerTraffic>) -> PeerTraffic {
         sum.accumulate(t);
     }
     sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(state: u32, hits: u64, misses_stale: u64, misses_other: u64) -> PeerCacheSlot {
+        PeerCacheSlot {
+            hb_ns: 0,
+            hb_peers_stamp: 0,
+            state,
+            key: PeerKey::v4([10, 0, 0, 2]),
+            entry: PeerEntry::default(),
+            _pad: [0; 4],
+            hits,
+            misses_stale,
+            misses_other,
+        }
+    }
+
+    #[test]
+    fn cache_counts_sum_every_slot_and_count_the_filled_ones() {
+        let mut c = PeerCacheCounts::default();
+        assert_eq!((c.lookups(), c.hit_percent()), (0, None));
+        c.add(&slot(peer_cache::FOUND, 97, 1, 2));
+        c.add(&slot(peer_cache::ABSENT, 0, 0, 1));
+        // A slot never filled counts nothing and is not filled.
+        c.add(&slot(peer_cache::EMPTY, 0, 0, 0));
+        assert_eq!(
+            c,
+            PeerCacheCounts {
+                hits: 97,
+                misses_stale: 1,
+                misses_other: 3,
+                slots_filled: 2,
+            }
+        );
+        assert_eq!(c.lookups(), 101);
+        let pct = c.hit_percent().unwrap();
+        assert!((pct - 9700.0 / 101.0).abs() < 1e-9, "{pct}");
+        // Counts near the top saturate rather than wrap.
+        c.add(&slot(peer_cache::FOUND, u64::MAX, 0, 0));
+        assert_eq!((c.hits, c.lookups()), (u64::MAX, u64::MAX));
+    }
 }

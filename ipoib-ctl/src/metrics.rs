@@ -17,7 +17,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{connmgr::CmStatus, promotion::UdPath, status::Status};
+use crate::{connmgr::CmStatus, maps::PeerCacheCounts, promotion::UdPath, status::Status};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Iface {
@@ -34,6 +34,12 @@ struct Reason {
 struct Event {
     iface: String,
     event: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Lookup {
+    iface: String,
+    result: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -76,6 +82,9 @@ pub fn render(s: &Status, per_peer: bool) -> String {
         iface: s.iface.clone(),
     };
     decision_metrics(&mut reg, s);
+    if let Some(c) = &s.peer_cache {
+        peer_cache_metrics(&mut reg, &iface, c);
+    }
     let hb_age = s.heartbeat_age_ms.map(|ms| ms as f64 / 1e3);
     if let Some(age) = hb_age {
         let g: FloatGauges = family(
@@ -146,6 +155,35 @@ fn decision_metrics(reg: &mut Registry, s: &Status) {
         decisions.get_or_create(&l).inc_by(c.packets);
         decision_bytes.get_or_create(&l).inc_by(c.bytes);
     }
+}
+
+/// The peer cache's lookups by result, and its slots in use.
+fn peer_cache_metrics(reg: &mut Registry, iface: &Iface, c: &PeerCacheCounts) {
+    let lookups: Family<Lookup, Counter> = family(
+        reg,
+        "peer_cache_lookups",
+        "Peers-map answers the fast path asked its per-CPU cache for since the programs were \
+         loaded: hit, stale (the peer held under an older heartbeat), other (an empty slot or \
+         another peer's)",
+    );
+    for (result, n) in [
+        ("hit", c.hits),
+        ("stale", c.misses_stale),
+        ("other", c.misses_other),
+    ] {
+        let l = Lookup {
+            iface: iface.iface.clone(),
+            result: result.to_owned(),
+        };
+        lookups.get_or_create(&l).inc_by(n);
+    }
+    let g: Gauges = family(
+        reg,
+        "peer_cache_slots_filled",
+        "Slots of the fast path's peer cache holding an answer, over every CPU",
+    );
+    g.get_or_create(iface)
+        .set(i64::try_from(c.slots_filled).unwrap_or(i64::MAX));
 }
 
 /// Bytes sent to each peer by path (`--metrics-peers`).
@@ -274,6 +312,8 @@ mod tests {
             "loop_pid": 7, "loop_running": true,
             "reasons": {"tx_cm": {"packets": 10, "bytes": 650000},
                         "tx_ud_small": {"packets": 3, "bytes": 200}},
+            "peer_cache": {"hits": 11, "misses_stale": 2, "misses_other": 3,
+                           "slots_filled": 4},
             "peers": [{"addr": "10.0.0.2", "mode": "cm_up", "pin": "auto", "cm_ifindex": 9,
                        "generation": 1, "tx_ud_packets": 3, "tx_ud_bytes": 200,
                        "tx_cm_packets": 10, "tx_cm_bytes": 650000, "rx_packets": 0,
@@ -363,6 +403,21 @@ mod tests {
     }
 
     #[test]
+    fn the_peer_cache_is_counted_by_result_and_its_filled_slots_gauged() {
+        let t = render(&status(false), false);
+        let lookups = r#"ipoib_peer_cache_lookups_total{iface="ib0",result="#;
+        for (result, v) in [("hit", 11.0), ("stale", 2.0), ("other", 3.0)] {
+            let series = format!(r#"{lookups}"{result}"}}"#);
+            assert_eq!(value(&t, &series), Some(v), "{series} in:\n{t}");
+        }
+        assert_eq!(
+            value(&t, r#"ipoib_peer_cache_slots_filled{iface="ib0"}"#),
+            Some(4.0),
+            "{t}"
+        );
+    }
+
+    #[test]
     fn without_connected_mode_it_says_so_and_has_no_cm_series() {
         let mut s = status(false);
         s.failsafe_active = true;
@@ -375,6 +430,10 @@ mod tests {
         );
         assert!(!t.contains("ipoib_cm_connections"), "{t}");
         assert!(!t.contains("heartbeat_age"), "{t}");
+        // Programs that do not count their cache: no cache series (not zeros).
+        s.peer_cache = None;
+        let t = render(&s, false);
+        assert!(!t.contains("peer_cache"), "{t}");
     }
 
     #[test]

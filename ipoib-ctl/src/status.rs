@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     attach::{self, AttachError, AttachState},
     clock::monotonic_ns,
-    maps::DatapathMaps,
+    maps::{self, DatapathMaps, PeerCacheCounts},
     policy::{Mode, Pin, format_size},
     promotion::UdPath,
 };
@@ -165,6 +165,10 @@ pub struct Status {
     pub loop_pid: Option<u32>,
     pub loop_running: bool,
     pub reasons: BTreeMap<String, CounterView>,
+    /// What the fast path's peer cache answered since the programs were loaded (None: these
+    /// programs do not count it, a build from before the counts).
+    #[serde(default)]
+    pub peer_cache: Option<PeerCacheCounts>,
     pub peers: Vec<PeerView>,
     /// Connected mode, as its control loop last wrote it (None: not running).
     pub cm: Option<crate::connmgr::CmStatus>,
@@ -252,6 +256,7 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
         loop_pid,
         loop_running: loop_pid.is_some_and(pid_alive),
         reasons,
+        peer_cache: maps::peer_cache_pinned(&attach::pin_dir(iface).join(attach::PROG_EGRESS))?,
         peers: peers(&maps)?,
         cm: crate::connmgr::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
         presence: state.as_ref().map(attach::presence),
@@ -380,6 +385,7 @@ pub fn render(s: &Status) -> String {
         }
     );
     render_reasons(&mut out, s);
+    render_peer_cache(&mut out, s.peer_cache.as_ref());
     out.push_str(&render_peers(&s.peers));
     match &s.cm {
         None => out.push_str("  connected mode: not running (every peer on UD)\n"),
@@ -403,6 +409,26 @@ fn render_reasons(out: &mut String, s: &Status) {
     if s.reasons.values().all(|c| c.packets == 0) {
         out.push_str("    (no packets yet)\n");
     }
+}
+
+fn render_peer_cache(out: &mut String, c: Option<&PeerCacheCounts>) {
+    let Some(c) = c else {
+        out.push_str("  peer cache: not counted by these programs (loaded by an earlier build)\n");
+        return;
+    };
+    let Some(hit) = c.hit_percent() else {
+        out.push_str("  peer cache: no lookups yet\n");
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "  peer cache: {hit:.1}% of {} lookups hit since the programs were loaded; missed {} \
+         after a write or beat, {} to an empty slot or another peer's; {} slots filled",
+        c.lookups(),
+        c.misses_stale,
+        c.misses_other,
+        c.slots_filled
+    );
 }
 
 /// A connection cap at least this large is the HCA's QP limit, not a plan's.
@@ -515,6 +541,7 @@ mod tests {
             loop_pid: Some(42),
             loop_running: true,
             reasons: BTreeMap::new(),
+            peer_cache: None,
             peers: Vec::new(),
             cm: None,
             presence: Some(attach::Presence::Here),
@@ -598,6 +625,35 @@ mod tests {
             "{line}"
         );
         assert!(!out.contains("cm_bulk"), "{out}");
+    }
+
+    #[test]
+    fn the_peer_cache_line_gives_the_hit_share_and_each_kind_of_miss() {
+        let line = |c: Option<&PeerCacheCounts>| {
+            let mut out = String::new();
+            render_peer_cache(&mut out, c);
+            out
+        };
+        assert!(line(None).contains("not counted by these programs"));
+        assert!(line(Some(&PeerCacheCounts::default())).contains("no lookups yet"));
+        let out = line(Some(&PeerCacheCounts {
+            hits: 995,
+            misses_stale: 2,
+            misses_other: 3,
+            slots_filled: 12,
+        }));
+        for want in [
+            "99.5% of 1000 lookups hit",
+            "missed 2 after a write or beat",
+            "3 to an empty slot",
+            "12 slots filled",
+        ] {
+            assert!(out.contains(want), "{want:?} in {out}");
+        }
+        // And the status shows it.
+        let mut s = status();
+        s.peer_cache = Some(PeerCacheCounts::default());
+        assert!(render(&s).contains("  peer cache: no lookups yet\n"));
     }
 
     #[test]

@@ -169,11 +169,18 @@ impl Peer {
             // An empty slot (zeros) is not asked about: it matches only the zero key (no
             // address) under a heartbeat never written, and then answers "absent", as the
             // map would.
-            if (*s).hb_ns == hb_ns && (*s).hb_peers_stamp == hb_stamp && (*s).key.same(key) {
+            let held = (*s).key.same(key);
+            if held && (*s).hb_ns == hb_ns && (*s).hb_peers_stamp == hb_stamp {
+                (*s).hits = (*s).hits.wrapping_add(1);
                 return Self {
                     found: (*s).state == peer_cache::FOUND,
                     entry: (*s).entry,
                 };
+            }
+            if held {
+                (*s).misses_stale = (*s).misses_stale.wrapping_add(1);
+            } else {
+                (*s).misses_other = (*s).misses_other.wrapping_add(1);
             }
             let peer = Self::lookup(key);
             (*s).hb_ns = hb_ns;

@@ -5,7 +5,10 @@
 use ipoib_common::{
     IPOIB_FLAG_RC, PeerEntry, PeerKey, Policy, Reason, global_mode, peer_mode, peer_pin,
 };
-use ipoib_ctl::clock::{monotonic_coarse_ns, monotonic_ns};
+use ipoib_ctl::{
+    clock::{monotonic_coarse_ns, monotonic_ns},
+    maps::PeerCacheCounts,
+};
 use ipoib_tests::*;
 
 /// The CM device of the peers below: `lo`, which every namespace has (the fast path redirects
@@ -878,6 +881,74 @@ fn a_peer_write_takes_effect_with_the_next_packet() {
     // reads the map again, and finds the peer up.
     h.beat();
     check_cases(&mut h, vec![big_to_2("after a beat", cm)]);
+}
+
+/// The cache counts what it answers (`PeerCacheSlot::hits`, `misses_stale`, `misses_other`),
+/// and `peer_cache_of` sums it as `status` and the metrics show it: a hit for each packet whose
+/// peer the slot held under the current heartbeat, a stale miss after a beat or a write to the
+/// peers map, another's miss for an empty slot or when two peers that share a slot take turns.
+/// Ingress asks the same cache.
+#[test]
+fn the_peer_cache_counts_its_hits_and_each_kind_of_miss() {
+    let Some((mut h, key, entry)) =
+        pinned_harness("the_peer_cache_counts_its_hits_and_each_kind_of_miss")
+    else {
+        return;
+    };
+    let counts = |h: &mut Harness| {
+        let info = h.dp.egress().unwrap().info().unwrap();
+        ipoib_ctl::maps::peer_cache_of(&info, "the test's egress program")
+            .unwrap()
+            .expect("this build's programs count their cache")
+    };
+    let send = |h: &mut Harness, to: &str| {
+        h.egress(&tcp(L2::unicast(Link::Ipoib), to, BIG)).unwrap();
+    };
+    // (hits, stale, other) since the last look.
+    let mut last = counts(&mut h);
+    assert_eq!(last, PeerCacheCounts::default(), "a fresh load counted");
+    let mut since = |h: &mut Harness| {
+        let now = counts(h);
+        let d = (
+            now.hits - last.hits,
+            now.misses_stale - last.misses_stale,
+            now.misses_other - last.misses_other,
+        );
+        last = now;
+        d
+    };
+
+    for _ in 0..4 {
+        send(&mut h, "10.0.0.2");
+    }
+    assert_eq!(since(&mut h), (3, 0, 1), "an empty slot, then three hits");
+    h.beat();
+    send(&mut h, "10.0.0.2");
+    send(&mut h, "10.0.0.2");
+    assert_eq!(since(&mut h), (1, 1, 0), "after a beat");
+    h.dp.maps.set_peer(key, entry).unwrap();
+    send(&mut h, "10.0.0.2");
+    assert_eq!(since(&mut h), (0, 1, 0), "after a write to the peers map");
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_PASS);
+    assert_eq!(ingress_verdict(&mut h, "10.0.0.2"), XDP_PASS);
+    assert_eq!(since(&mut h), (2, 0, 0), "ingress, from the same slot");
+
+    // Two peers (no entries: the cache holds "absent" too) in one slot, taking turns: each
+    // packet evicts the other; a third in a slot of its own hits from its second packet.
+    let [a, b, c] = cache_slot_neighbours();
+    for to in [&a, &b, &a, &b] {
+        send(&mut h, to);
+    }
+    assert_eq!(since(&mut h), (0, 0, 4), "two peers in one slot");
+    send(&mut h, &c);
+    send(&mut h, &c);
+    assert_eq!(since(&mut h), (1, 0, 1), "a peer in a slot of its own");
+
+    let slots: std::collections::HashSet<u32> = ["10.0.0.2", &b, &c]
+        .iter()
+        .map(|ip| PeerKey::from(ip.parse::<std::net::IpAddr>().unwrap()).cache_slot())
+        .collect();
+    assert_eq!(counts(&mut h).slots_filled, slots.len() as u64, "{slots:?}");
 }
 
 /// A write to the peers map that leaves the heartbeat alone (what a control plane of an

@@ -72,7 +72,15 @@ fn lab_counts_traffic_and_takes_policy_live() {
     }
     let a0 = peer_or_zero(&a, &b_ip);
     let b0 = peer_or_zero(&b, &a_ip);
+    let cache = |n: &Node| {
+        n.status()
+            .unwrap()
+            .peer_cache
+            .expect("this build's programs count their peer cache")
+    };
+    let cache0 = cache(&a);
     assert_eq!(ping(&a, &b_ip, 20, 56, "0.05"), (20, 20));
+    let cache1 = cache(&a);
     let a1 = a.peer_json(&b_ip).unwrap().expect("A sees B");
     let b1 = b.peer_json(&a_ip).unwrap().expect("B sees A");
     // 20 echo requests out of A and into B; 20 replies out of B and into A.
@@ -83,6 +91,15 @@ fn lab_counts_traffic_and_takes_policy_live() {
     // 84-byte ICMP packets (20 IP + 8 ICMP + 56).
     assert_eq!(u(&a1, "tx_ud_bytes") - u(&a0, "tx_ud_bytes"), 20 * 84);
     assert_eq!(u(&a1, "tx_cm_packets"), 0);
+    // A's programs asked their peer cache for B once per packet each way (and for nothing
+    // else but stray unicast, none expected here), most from the cache: a miss is a CPU's
+    // first packet to B, or its first after a beat (every 750 ms), so a handful in a second.
+    let lookups = cache1.lookups() - cache0.lookups();
+    let hits = cache1.hits - cache0.hits;
+    eprintln!("A's peer cache over 20 pings: {lookups} lookups, {hits} hits");
+    assert!((40..=44).contains(&lookups), "{cache0:?} -> {cache1:?}");
+    assert!(hits >= 30, "{cache0:?} -> {cache1:?}");
+    assert!(cache1.slots_filled >= 1, "{cache1:?}");
 
     // set-policy takes effect on the live datapath.
     let s0 = a.status_json().unwrap();
