@@ -49,8 +49,17 @@ impl Datapath {
     /// Like [`Datapath::load`], pinning every map under `pin_dir` (an existing bpffs
     /// directory) as it is taken.
     pub fn load_pinned(pin_dir: Option<&std::path::Path>) -> Result<Self, DatapathError> {
+        Self::load_object(EBPF_OBJECT, pin_dir)
+    }
+
+    /// Like [`Datapath::load_pinned`], from another build of the object (`object`: the bytes
+    /// of its ELF file; a benchmark times one beside this build's).
+    pub fn load_object(
+        object: &[u8],
+        pin_dir: Option<&std::path::Path>,
+    ) -> Result<Self, DatapathError> {
         raise_memlock_limit();
-        let mut ebpf = Ebpf::load(EBPF_OBJECT)?;
+        let mut ebpf = Ebpf::load(object)?;
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(l) => Some(l),
             Err(e) => {

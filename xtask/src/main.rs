@@ -114,6 +114,10 @@ enum Bench {
         /// Interleaved rounds; the median is reported.
         #[arg(long, default_value_t = 5)]
         rounds: u32,
+        /// Another build of the fast path's eBPF object, timed beside this one (what a change
+        /// to the programs costs, in one run).
+        #[arg(long)]
+        compare_object: Option<PathBuf>,
     },
     /// In the soft-RoCE VM: message throughput over 1 RC connection and over N sharing one
     /// SRQ, beside perftest's ib_send_bw on the same device in the same run, as ratios.
@@ -218,10 +222,25 @@ fn main() -> Result<()> {
             nocapture,
         } => vm::test(&root, &targets, &filter, nocapture),
         Cmd::Bench {
-            what: Bench::Datapath { repeat, rounds },
+            what:
+                Bench::Datapath {
+                    repeat,
+                    rounds,
+                    compare_object,
+                },
         } => {
             provision::run(provision::Scope::default())?;
             let out = root.join("target/bench/datapath.json");
+            // Absolute: the benchmark runs from the workspace's root.
+            let compare = match compare_object {
+                Some(p) => vec![
+                    "--compare-object".into(),
+                    std::fs::canonicalize(&p)
+                        .with_context(|| format!("{}", p.display()))?
+                        .into_os_string(),
+                ],
+                None => Vec::new(),
+            };
             cargo(&root)
                 .args([
                     "run",
@@ -241,6 +260,7 @@ fn main() -> Result<()> {
                 ])
                 .arg("--out")
                 .arg(&out)
+                .args(compare)
                 .status_ok("bench-datapath")
         }
         Cmd::Bench {

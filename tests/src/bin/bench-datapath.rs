@@ -11,7 +11,7 @@ use aya::{
 };
 use clap::Parser;
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
-use ipoib_ctl::datapath::BASELINE_OBJECT;
+use ipoib_ctl::datapath::{BASELINE_OBJECT, Datapath};
 use ipoib_tests::{
     bench::{interquartile_mean, median},
     *,
@@ -30,6 +30,58 @@ struct Args {
     /// Where to save the JSON results.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Another build of the fast path's eBPF object (its ELF file, for example the
+    /// `ipoib-ebpf` that main's build left under `target/release/build/ipoib-ctl-*/out/`,
+    /// copied aside), timed beside this build's round by round, with the same peers and
+    /// packets: what a change to the programs costs, side by side.
+    #[arg(long)]
+    compare_object: Option<PathBuf>,
+}
+
+/// One build of the fast path, its maps set up for every scenario.
+struct Subject {
+    h: Harness,
+    pair: CachePair,
+}
+
+impl Subject {
+    /// The peers of the scenarios and of the cache pair, each seen once and given its traffic
+    /// slot as the control loop does within a second (the steady state), except the new peer's;
+    /// then every scenario's egress verdict checked.
+    fn prepare(dp: Datapath, scenarios: &[Scenario]) -> Result<Self> {
+        let mut h = Harness::new(dp, Link::Ipoib);
+        let peer = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>()?);
+        h.dp.maps.set_peer(
+            peer,
+            PeerEntry {
+                mode: peer_mode::CM_UP,
+                // `lo`: the fast path redirects only into a device that exists
+                // (BPF_PROG_TEST_RUN runs in this namespace), so the device check is timed too.
+                cm_ifindex: 1,
+                ..Default::default()
+            },
+        )?;
+        let pair = CachePair::set_up(&mut h)?;
+        for s in scenarios.iter().filter(|s| s.steady) {
+            h.egress(&s.egress_frame)?;
+            h.ingress(&s.ingress_frame)?;
+        }
+        let slots =
+            h.dp.maps
+                .assign_slots(ipoib_ctl::clock::monotonic_ns(), u64::MAX)?;
+        eprintln!("traffic slots: {slots:?}");
+        for s in scenarios {
+            let out = h.egress(&s.egress_frame)?;
+            anyhow::ensure!(
+                out.retval == s.expect_egress,
+                "{}: egress returned {}",
+                s.name,
+                out.retval
+            );
+        }
+        pair.check(&mut h)?;
+        Ok(Self { h, pair })
+    }
 }
 
 struct Scenario {
@@ -50,18 +102,17 @@ fn ns(d: Duration) -> f64 {
 fn main() -> Result<()> {
     let args = Args::parse();
     let dp = load_or_skip("bench-datapath").context("the benchmark needs BPF (root)")?;
-    let mut h = Harness::new(dp, Link::Ipoib);
-    let peer = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>()?);
-    h.dp.maps.set_peer(
-        peer,
-        PeerEntry {
-            mode: peer_mode::CM_UP,
-            // `lo`: the fast path redirects only into a device that exists (BPF_PROG_TEST_RUN
-            // runs in this namespace), so the device check is timed too.
-            cm_ifindex: 1,
-            ..Default::default()
-        },
-    )?;
+    let compared = match &args.compare_object {
+        Some(path) => {
+            let object =
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            Some(
+                Datapath::load_object(&object, None)
+                    .with_context(|| format!("loading {}", path.display()))?,
+            )
+        }
+        None => None,
+    };
 
     let mut base = Ebpf::load(BASELINE_OBJECT)?;
     {
@@ -109,17 +160,6 @@ fn main() -> Result<()> {
             egress_frame: mcast,
         },
     ];
-    let pair = CachePair::set_up(&mut h)?;
-    // Every peer above seen once, then given its traffic slot, as the control loop does
-    // within a second: the steady state, one hash lookup per packet.
-    for s in &scenarios {
-        h.egress(&s.egress_frame)?;
-        h.ingress(&s.ingress_frame)?;
-    }
-    let slots =
-        h.dp.maps
-            .assign_slots(ipoib_ctl::clock::monotonic_ns(), u64::MAX)?;
-    eprintln!("traffic slots: {slots:?}");
     // A peer the control loop has not seen yet: no entry, counted apart (two lookups).
     let new = FrameSpec::tcp(uc, "10.0.0.1", "10.0.0.50", 100).build();
     let from_new = FrameSpec::tcp(uc, "10.0.0.50", "10.0.0.1", 100).build();
@@ -131,42 +171,56 @@ fn main() -> Result<()> {
         ingress_frame: as_ingress(&from_new, Link::Ipoib),
         egress_frame: new,
     });
-    for s in &scenarios {
-        let out = h.egress(&s.egress_frame)?;
-        anyhow::ensure!(
-            out.retval == s.expect_egress,
-            "{}: egress returned {}",
-            s.name,
-            out.retval
-        );
+    // This build first, then the compared one.
+    let mut subjects = vec![Subject::prepare(dp, &scenarios)?];
+    if let Some(dp) = compared {
+        subjects.push(Subject::prepare(dp, &scenarios)?);
     }
 
-    pair.check(&mut h)?;
     // The peer cache is per CPU: every run on one, as a flow's packets mostly are.
     pin_to_this_cpu();
 
-    // samples[scenario][program] over rounds; programs: egress, baseline_tc, ingress, baseline_xdp.
-    let mut samples = vec![vec![Vec::new(); 4]; scenarios.len()];
-    // single[series] over rounds: per-round interquartile means of one packet per call.
-    let mut single = vec![Vec::new(); SINGLE_SERIES.len()];
+    // samples[scenario][column] over rounds; columns: each subject's egress and ingress, then
+    // baseline_tc and baseline_xdp.
+    let base_col = 2 * subjects.len();
+    let mut samples = vec![vec![Vec::new(); base_col + 2]; scenarios.len()];
+    // single[subject][series] over rounds: per-round interquartile means of one packet per
+    // call (hit egress, hit ingress, miss egress, miss ingress); the trivial programs' apart.
+    let mut single = vec![vec![Vec::new(); 4]; subjects.len()];
+    let mut single_trivial = vec![Vec::new(); 2];
     for round in 0..args.rounds {
         eprintln!("round {}/{}", round + 1, args.rounds);
         for (si, s) in scenarios.iter().enumerate() {
-            let egress = h.dp.egress()?;
-            samples[si][0].push(ns(run(egress, &s.egress_frame, args.repeat)?.1));
+            for k in turns(subjects.len(), round) {
+                let sub = &mut subjects[k];
+                let egress = sub.h.dp.egress()?;
+                samples[si][2 * k].push(ns(run(egress, &s.egress_frame, args.repeat)?.1));
+                let ingress = sub.h.dp.ingress()?;
+                samples[si][2 * k + 1].push(ns(run(ingress, &s.ingress_frame, args.repeat)?.1));
+            }
             let btc: &mut SchedClassifier = base.program_mut("baseline_tc").unwrap().try_into()?;
-            samples[si][1].push(ns(run(btc, &s.egress_frame, args.repeat)?.1));
-            let ingress = h.dp.ingress()?;
-            samples[si][2].push(ns(run(ingress, &s.ingress_frame, args.repeat)?.1));
+            samples[si][base_col].push(ns(run(btc, &s.egress_frame, args.repeat)?.1));
             let bxdp: &mut Xdp = base.program_mut("baseline_xdp").unwrap().try_into()?;
-            samples[si][3].push(ns(run(bxdp, &s.ingress_frame, args.repeat)?.1));
+            samples[si][base_col + 1].push(ns(run(bxdp, &s.ingress_frame, args.repeat)?.1));
         }
+        for k in turns(subjects.len(), round) {
+            let sub = &mut subjects[k];
+            for (i, m) in sub
+                .pair
+                .round(&mut sub.h, args.single_runs)?
+                .into_iter()
+                .enumerate()
+            {
+                single[k][i].push(m);
+            }
+        }
+        let pair = &subjects[0].pair;
         for (i, m) in pair
-            .round(&mut h, &mut base, args.single_runs)?
+            .trivial_round(&mut base, args.single_runs)?
             .into_iter()
             .enumerate()
         {
-            single[i].push(m);
+            single_trivial[i].push(m);
         }
     }
 
@@ -191,23 +245,35 @@ fn main() -> Result<()> {
         "scenario", "egress", "trivial", "ratio", "ingress", "trivial", "ratio"
     );
     let mut rows = Vec::new();
+    let mut compared_rows = Vec::new();
     let mut all_within = true;
     // Issue 15's target: every scenario within 3x the trivial program of its type.
     const TARGET: f64 = 3.0;
     for (si, s) in scenarios.iter().enumerate() {
         let m: Vec<f64> = samples[si].iter().map(|v| median(v)).collect();
-        let (re, ri) = (m[0] / m[1].max(1.0), m[2] / m[3].max(1.0));
+        let (tc, xdp) = (m[base_col].max(1.0), m[base_col + 1].max(1.0));
+        let (re, ri) = (m[0] / tc, m[1] / xdp);
         all_within &= !s.steady || (re <= TARGET && ri <= TARGET);
         println!(
             "{:<44} {:>9.1} {:>9.1} {:>5.2}x   {:>9.1} {:>9.1} {:>5.2}x",
-            s.name, m[0], m[1], re, m[2], m[3], ri
+            s.name, m[0], tc, re, m[1], xdp, ri
         );
         rows.push(serde_json::json!({
             "scenario": s.name,
-            "egress_ns": m[0], "baseline_tc_ns": m[1], "egress_ratio": re,
-            "ingress_ns": m[2], "baseline_xdp_ns": m[3], "ingress_ratio": ri,
-            "samples_ns": samples[si],
+            "egress_ns": m[0], "baseline_tc_ns": tc, "egress_ratio": re,
+            "ingress_ns": m[1], "baseline_xdp_ns": xdp, "ingress_ratio": ri,
+            "samples_ns": {"egress": samples[si][0], "ingress": samples[si][1],
+                           "baseline_tc": samples[si][base_col],
+                           "baseline_xdp": samples[si][base_col + 1]},
         }));
+        if subjects.len() > 1 {
+            compared_rows.push(serde_json::json!({
+                "scenario": s.name,
+                "egress_ns": m[2], "egress_ratio": m[2] / tc,
+                "ingress_ns": m[3], "ingress_ratio": m[3] / xdp,
+                "samples_ns": {"egress": samples[si][2], "ingress": samples[si][3]},
+            }));
+        }
     }
     println!(
         "target (each program within {TARGET}x of the trivial one): {}",
@@ -215,7 +281,8 @@ fn main() -> Result<()> {
     );
     // One packet per call: the kernel's time of a single run carries its own clock reads,
     // the same in every series, so only the differences between the series count.
-    let m: Vec<f64> = single.iter().map(|v| median(v)).collect();
+    let med = |series: &[Vec<f64>]| series.iter().map(|v| median(v)).collect::<Vec<f64>>();
+    let (m, trivial) = (med(&single[0]), med(&single_trivial));
     println!(
         "\nOne packet per call (repeat 1, {} calls a round, median of the rounds' interquartile \
          means), \
@@ -226,7 +293,6 @@ fn main() -> Result<()> {
     for (i, name) in [
         "peers in different cache slots (hits)",
         "peers in one cache slot (misses)",
-        "the trivial programs",
     ]
     .iter()
     .enumerate()
@@ -234,20 +300,45 @@ fn main() -> Result<()> {
         println!("{:<44} {:>9.1} {:>9.1}", name, m[2 * i], m[2 * i + 1]);
     }
     println!(
+        "{:<44} {:>9.1} {:>9.1}",
+        "the trivial programs", trivial[0], trivial[1]
+    );
+    println!(
         "a miss costs {:.1} ns more than a hit on egress, {:.1} on ingress",
         m[2] - m[0],
         m[3] - m[1]
     );
-    let single_json: serde_json::Map<String, serde_json::Value> = SINGLE_SERIES
-        .iter()
-        .zip(&single)
-        .map(|(name, v)| {
-            (
-                name.to_string(),
-                serde_json::json!({"median_ns": median(v), "round_iq_means_ns": v}),
-            )
-        })
-        .collect();
+    let series_json = |series: &[Vec<f64>], names: &[&str]| -> serde_json::Value {
+        names
+            .iter()
+            .zip(series)
+            .map(|(name, v)| {
+                (
+                    name.to_string(),
+                    serde_json::json!({"median_ns": median(v), "round_iq_means_ns": v}),
+                )
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let mut single_json = series_json(&single[0], &SINGLE_SERIES);
+    if let (Some(o), serde_json::Value::Object(t)) = (
+        single_json.as_object_mut(),
+        series_json(&single_trivial, &TRIVIAL_SERIES),
+    ) {
+        o.extend(t);
+    }
+    let compared = match (&args.compare_object, single.get(1)) {
+        (Some(path), Some(cs)) => {
+            print_compared(path, &scenarios, &samples, &m, &med(cs));
+            serde_json::json!({
+                "object": path,
+                "results": compared_rows,
+                "one_packet_per_call": series_json(cs, &SINGLE_SERIES),
+            })
+        }
+        _ => serde_json::Value::Null,
+    };
     if let Some(out) = args.out {
         if let Some(dir) = out.parent() {
             std::fs::create_dir_all(dir)?;
@@ -263,6 +354,7 @@ fn main() -> Result<()> {
             "results": rows,
             "single_runs": args.single_runs,
             "one_packet_per_call": single_json,
+            "compared": compared,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&doc)?)?;
         println!("saved {}", out.display());
@@ -270,15 +362,67 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The order of the subjects in `round`: turn by turn, so that neither build always runs
+/// first (after the other's caches and predictors, or after the trivial program's).
+fn turns(n: usize, round: u32) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.rotate_left(round as usize % n.max(1));
+    order
+}
+
+/// This build (columns 0, 1 of `samples`; `single` its one-packet series) against the
+/// compared one (columns 2, 3; `compared_single`), scenario by scenario.
+fn print_compared(
+    path: &std::path::Path,
+    scenarios: &[Scenario],
+    samples: &[Vec<Vec<f64>>],
+    single: &[f64],
+    compared_single: &[f64],
+) {
+    println!(
+        "\nThis build against {} (the same rounds, median ns/packet):",
+        path.display()
+    );
+    println!(
+        "{:<44} {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
+        "scenario", "egress", "compared", "diff", "ingress", "compared", "diff"
+    );
+    let row = |name: &str, e: f64, ce: f64, i: f64, ci: f64| {
+        println!(
+            "{:<44} {:>9.1} {:>9.1} {:>+7.1}   {:>9.1} {:>9.1} {:>+7.1}",
+            name,
+            e,
+            ce,
+            e - ce,
+            i,
+            ci,
+            i - ci
+        );
+    };
+    for (si, s) in scenarios.iter().enumerate() {
+        let m: Vec<f64> = samples[si][..4].iter().map(|v| median(v)).collect();
+        row(s.name, m[0], m[2], m[1], m[3]);
+    }
+    row(
+        "one packet per call, cache hits",
+        single[0],
+        compared_single[0],
+        single[1],
+        compared_single[1],
+    );
+    row(
+        "one packet per call, cache misses",
+        single[2],
+        compared_single[2],
+        single[3],
+        compared_single[3],
+    );
+}
+
 /// The series of one packet per call, in the order `CachePair::round` returns them.
-const SINGLE_SERIES: [&str; 6] = [
-    "hit_egress",
-    "hit_ingress",
-    "miss_egress",
-    "miss_ingress",
-    "trivial_tc",
-    "trivial_xdp",
-];
+const SINGLE_SERIES: [&str; 4] = ["hit_egress", "hit_ingress", "miss_egress", "miss_ingress"];
+/// The trivial programs' series, in the order `CachePair::trivial_round` returns them.
+const TRIVIAL_SERIES: [&str; 2] = ["trivial_tc", "trivial_xdp"];
 
 /// Three CM_UP peers for the peer cache's two cases: `a` and `b` share a cache slot, `a` and
 /// `c` do not. Packets to `a` and `c` in turn each find their peer in its slot (hits); to `a`
@@ -339,7 +483,7 @@ impl CachePair {
 
     /// One round: for each of [`SINGLE_SERIES`], `calls` single runs (their interquartile
     /// mean).
-    fn round(&self, h: &mut Harness, base: &mut Ebpf, calls: u32) -> Result<Vec<f64>> {
+    fn round(&self, h: &mut Harness, calls: u32) -> Result<Vec<f64>> {
         let mut out = Vec::new();
         for other in [2, 1] {
             let egress = h.dp.egress()?;
@@ -355,15 +499,16 @@ impl CachePair {
                 calls,
             )?);
         }
-        let btc: &mut SchedClassifier = base.program_mut("baseline_tc").unwrap().try_into()?;
-        out.push(alternate(btc, [&self.egress[0], &self.egress[1]], calls)?);
-        let bxdp: &mut Xdp = base.program_mut("baseline_xdp").unwrap().try_into()?;
-        out.push(alternate(
-            bxdp,
-            [&self.ingress[0], &self.ingress[1]],
-            calls,
-        )?);
         Ok(out)
+    }
+
+    /// The trivial programs' round, for each of [`TRIVIAL_SERIES`].
+    fn trivial_round(&self, base: &mut Ebpf, calls: u32) -> Result<Vec<f64>> {
+        let btc: &mut SchedClassifier = base.program_mut("baseline_tc").unwrap().try_into()?;
+        let tc = alternate(btc, [&self.egress[0], &self.egress[1]], calls)?;
+        let bxdp: &mut Xdp = base.program_mut("baseline_xdp").unwrap().try_into()?;
+        let xdp = alternate(bxdp, [&self.ingress[0], &self.ingress[1]], calls)?;
+        Ok(vec![tc, xdp])
     }
 }
 
