@@ -951,6 +951,34 @@ fn the_peer_cache_counts_its_hits_and_each_kind_of_miss() {
     assert_eq!(counts(&mut h).slots_filled, slots.len() as u64, "{slots:?}");
 }
 
+/// The fast path as the build before the cache's counts made it (layout 2, 56-byte slots:
+/// `tests/fixtures/ipoib-ebpf-layout2-uncounted.o`), which an `attach` of this version adopts
+/// as it finds it pinned: its cache is found but said to be uncounted (`status` shows "not
+/// counted"), neither misread as counted slots nor an error.
+#[test]
+fn an_earlier_builds_uncounted_cache_is_told_apart() {
+    const UNCOUNTED: &[u8] = include_bytes!("../fixtures/ipoib-ebpf-layout2-uncounted.o");
+    let test = "an_earlier_builds_uncounted_cache_is_told_apart";
+    let mut dp = match ipoib_ctl::datapath::Datapath::load_object(UNCOUNTED, None) {
+        Ok(dp) => dp,
+        Err(e) => return bpf_unavailable(test, &format!("loading the fixture failed: {e}")),
+    };
+    let info = dp.egress().unwrap().info().unwrap();
+    assert_eq!(
+        ipoib_ctl::maps::peer_cache_of(&info, "the fixture's egress program").unwrap(),
+        None
+    );
+    // This build's, beside it: counted.
+    let Some(mut dp) = load_or_skip(test) else {
+        return;
+    };
+    let info = dp.egress().unwrap().info().unwrap();
+    assert_eq!(
+        ipoib_ctl::maps::peer_cache_of(&info, "this build's egress program").unwrap(),
+        Some(PeerCacheCounts::default())
+    );
+}
+
 /// A write to the peers map that leaves the heartbeat alone (what a control plane of an
 /// earlier version of layout 2 does: it knows nothing of the cache) is heard at its next beat,
 /// which changes the heartbeat: the cache lags a beat at most. In between, the cached answer
