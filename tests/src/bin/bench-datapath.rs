@@ -11,7 +11,10 @@ use aya::{
 };
 use clap::Parser;
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
-use ipoib_ctl::datapath::{BASELINE_OBJECT, Datapath};
+use ipoib_ctl::{
+    datapath::{BASELINE_OBJECT, Datapath},
+    maps::PeerCacheCounts,
+};
 use ipoib_tests::{
     bench::{interquartile_mean, median},
     *,
@@ -328,6 +331,7 @@ fn main() -> Result<()> {
     ) {
         o.extend(t);
     }
+    let hit_rates = cache_hit_rates(&mut subjects[0].h)?;
     let compared = match (&args.compare_object, single.get(1)) {
         (Some(path), Some(cs)) => {
             print_compared(path, &scenarios, &samples, &m, &med(cs));
@@ -355,11 +359,97 @@ fn main() -> Result<()> {
             "single_runs": args.single_runs,
             "one_packet_per_call": single_json,
             "compared": compared,
+            "cache_hit_rates": hit_rates,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&doc)?)?;
         println!("saved {}", out.display());
     }
     Ok(())
+}
+
+/// The `i`th address of a set.
+type AddressOf = fn(u32) -> String;
+
+/// Address sets for [`cache_hit_rates`], by name.
+const ADDRESS_SETS: [(&str, AddressOf); 3] = [
+    ("consecutive IPv4", |i| {
+        format!("10.1.{}.{}", i / 256, i % 256)
+    }),
+    // Scattered over 10.0.0.0/8 by one step of a 32-bit LCG (Numerical Recipes' constants)
+    // applied to the index: addresses with no order, the same every run (no crate needed).
+    ("scattered IPv4", |i| {
+        let x = i.wrapping_mul(1_664_525).wrapping_add(1_013_904_223) >> 8;
+        format!("10.{}.{}.{}", x >> 16 & 0xff, x >> 8 & 0xff, x & 0xff)
+    }),
+    ("consecutive IPv6", |i| format!("fd00::1:{:x}", i)),
+];
+
+/// The peer cache's hit rate on this CPU (its own counts), for `n` peers taking turns, one
+/// packet each per turn: what a CPU that sends to that many peers at once gets from its 256
+/// slots. A first turn fills the slots; the rate is of the 4 turns after it. No entries (the
+/// cache keeps "absent" too) and no beat meanwhile, so every miss is another peer's slot.
+fn cache_hit_rates(h: &mut Harness) -> Result<serde_json::Value> {
+    const TURNS: u32 = 4;
+    let counts = |h: &mut Harness| -> Result<PeerCacheCounts> {
+        let info = h.dp.egress()?.info()?;
+        ipoib_ctl::maps::peer_cache_of(&info, "this build's egress program")?
+            .context("this build's programs count their cache")
+    };
+    let uc = L2::unicast(Link::Ipoib);
+    println!(
+        "\nThe peer cache's hit rate, N peers taking turns (one packet each per turn, {TURNS} \
+         turns after one that fills the slots; this build's counts):"
+    );
+    print!("{:>6}", "peers");
+    for (name, _) in ADDRESS_SETS {
+        print!(" {name:>18}");
+    }
+    println!();
+    let mut rows = Vec::new();
+    for n in [16u32, 64, 128, 256, 512, 1024] {
+        print!("{n:>6}");
+        for (name, addr) in ADDRESS_SETS {
+            let frames: Vec<Vec<u8>> = (0..n)
+                .map(|i| {
+                    let dst = addr(i);
+                    let src = if dst.contains(':') {
+                        "fd00::1"
+                    } else {
+                        "10.0.0.1"
+                    };
+                    FrameSpec::tcp(uc, src, &dst, 100).build()
+                })
+                .collect();
+            // Distinct addresses, or the rate would flatter the cache.
+            let distinct: std::collections::HashSet<String> = (0..n).map(addr).collect();
+            anyhow::ensure!(distinct.len() == n as usize, "{name}: repeated addresses");
+            for f in &frames {
+                h.egress(f)?;
+            }
+            let before = counts(h)?;
+            for _ in 0..TURNS {
+                for f in &frames {
+                    h.egress(f)?;
+                }
+            }
+            let after = counts(h)?;
+            let hits = after.hits - before.hits;
+            let lookups = after.lookups() - before.lookups();
+            anyhow::ensure!(
+                lookups == u64::from(n * TURNS),
+                "{name}, {n} peers: {lookups} lookups for {} packets",
+                n * TURNS
+            );
+            let pct = hits as f64 * 100.0 / lookups as f64;
+            print!(" {:>17.1}%", pct);
+            rows.push(serde_json::json!({
+                "peers": n, "addresses": name, "hits": hits, "lookups": lookups,
+                "hit_percent": pct,
+            }));
+        }
+        println!();
+    }
+    Ok(rows.into())
 }
 
 /// The order of the subjects in `round`: turn by turn, so that neither build always runs
