@@ -101,6 +101,56 @@ struct Run {
     /// userspace, system, interrupts and softirqs; and A's and B's `ipoib-ctl` processes
     /// (every thread; a syscall's kernel work included, softirqs not).
     cpus: Cpus,
+    /// A's peer cache over the run (its programs' own counts): lookups, and how many hit.
+    /// None where A's programs do not count (a baseline build from before the counts).
+    cache: Option<CacheRun>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct CacheRun {
+    lookups: u64,
+    hits: u64,
+}
+
+impl CacheRun {
+    /// (hits, lookups) as `status --json` shows them, if it does.
+    fn of(status: &serde_json::Value) -> Option<Self> {
+        let c = status.get("peer_cache")?.as_object()?;
+        let n = |k: &str| c.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+        Some(Self {
+            lookups: n("hits") + n("misses_stale") + n("misses_other"),
+            hits: n("hits"),
+        })
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            lookups: self.lookups.saturating_sub(before.lookups),
+            hits: self.hits.saturating_sub(before.hits),
+        }
+    }
+
+    fn hit_percent(&self) -> f64 {
+        self.hits as f64 * 100.0 / self.lookups.max(1) as f64
+    }
+}
+
+/// A run's peer-cache line, or what it lacks.
+fn cache_line(r: &Run) -> String {
+    r.cache.map_or("A's peer cache: not counted".into(), |c| {
+        format!(
+            "A's peer cache: {:.2}% of {} lookups hit",
+            c.hit_percent(),
+            c.lookups
+        )
+    })
+}
+
+fn cache_json(r: &Run) -> serde_json::Value {
+    r.cache.map_or(serde_json::Value::Null, |c| {
+        json!({"lookups": c.lookups, "hits": c.hits,
+               "hit_percent": (c.hit_percent() * 100.0).round() / 100.0})
+    })
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -190,12 +240,15 @@ fn naks(r: &Run) -> String {
 fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
     let before = a.peer_json(&b_ip)?.context("A knows B")?;
-    let engine = |n: &Node| -> Result<(u64, u64)> {
+    let engine = |n: &Node| -> Result<((u64, u64), Option<CacheRun>)> {
         let s = n.status_json()?;
         let e = &s["cm"]["engine"];
-        Ok((json_u64(e, "tx_packets"), json_u64(e, "tx_bytes")))
+        Ok((
+            (json_u64(e, "tx_packets"), json_u64(e, "tx_bytes")),
+            CacheRun::of(&s),
+        ))
     };
-    let e0 = engine(a)?;
+    let (e0, cache0) = engine(a)?;
     let rnr0 = rnr_naks();
     let t0 = Instant::now();
     let (split0, ctl0) = (CpuSplit::now()?, ctls.ticks()?);
@@ -217,7 +270,7 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
     };
     let ((a_user, a_system), (b_user, b_system)) = (spent(0), spent(1));
     let a_ticks = a_user + a_system;
-    let e1 = engine(a)?;
+    let (e1, cache1) = engine(a)?;
     let rnr1 = rnr_naks();
     ensure!(
         out.status.success(),
@@ -250,6 +303,7 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
             ctl_a_user: busy(a_user),
             ctl_b: busy(b_user + b_system),
         },
+        cache: cache1.zip(cache0).map(|(c1, c0)| c1.since(c0)),
     })
 }
 
@@ -422,7 +476,11 @@ fn bench(
                 ud.cpu_s_per_gb
             );
             for (path, r) in [("CM", &cm), ("CM on rings", &on_rings), ("UD", &ud)] {
-                eprintln!("round {round}: {path}: {}", r.cpus.line());
+                eprintln!(
+                    "round {round}: {path}: {}; {}",
+                    r.cpus.line(),
+                    cache_line(r)
+                );
             }
             eprintln!(
                 "round {round}: sender's CPU per message: A's ipoib-ctl {:.2} ms; ib_send_bw's client {:.2} ms polling, \
@@ -494,9 +552,9 @@ fn bench(
         "seconds": args.seconds,
         "rounds": args.rounds,
         "streams": args.streams,
-        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks, "cpus": cm.cpus.json()},
-        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0, "rnr_naks": on_rings.rnr_naks, "cpus": on_rings.cpus.json()},
-        "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb), "cpus": ud.cpus.json()},
+        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks, "cpus": cm.cpus.json(), "peer_cache": cache_json(&cm)},
+        "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0, "rnr_naks": on_rings.rnr_naks, "cpus": on_rings.cpus.json(), "peer_cache": cache_json(&on_rings)},
+        "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb), "cpus": ud.cpus.json(), "peer_cache": cache_json(&ud)},
         "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
         "engine_msg_per_s": engine_rate.round(),
         "engine_mean_size": engine_size.round(),
@@ -513,16 +571,19 @@ fn bench(
         })),
     });
     println!(
-        "\n{:>9} {:>10} {:>12} {:>10}",
-        "path", "Mbit/s", "CPU s/GB", "CM share"
+        "\n{:>9} {:>10} {:>12} {:>10} {:>22}",
+        "path", "Mbit/s", "CPU s/GB", "CM share", "A's peer cache hits"
     );
     let mut paths = vec![("CM, SRQ", cm), ("CM, rings", on_rings), ("UD", ud)];
     if let Some(b) = base {
         paths.push(("baseline", b));
     }
     for (path, r) in paths {
+        let cache = r.cache.map_or("not counted".into(), |c| {
+            format!("{:.2}% of {}", c.hit_percent(), c.lookups)
+        });
         println!(
-            "{path:>9} {:>10.0} {:>12.1} {:>9.0}%",
+            "{path:>9} {:>10.0} {:>12.1} {:>9.0}% {cache:>22}",
             r.mbit_s,
             r.cpu_s_per_gb,
             r.cm_share * 100.0
@@ -539,4 +600,25 @@ fn bench(
     );
     println!("BENCH-JSON {out}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runs_cache_is_the_difference_of_two_status_readings() {
+        let at = |hits: u64, stale: u64, other: u64| {
+            json!({"peer_cache": {"hits": hits, "misses_stale": stale,
+                                  "misses_other": other, "slots_filled": 2}})
+        };
+        let before = CacheRun::of(&at(10, 1, 2)).unwrap();
+        let after = CacheRun::of(&at(1010, 3, 7)).unwrap();
+        let run = after.since(before);
+        assert_eq!((run.lookups, run.hits), (1007, 1000));
+        assert!((run.hit_percent() - 100_000.0 / 1007.0).abs() < 1e-9);
+        // A status without the counts (an earlier build's programs): not counted.
+        assert!(CacheRun::of(&json!({"peer_cache": null})).is_none());
+        assert!(CacheRun::of(&json!({})).is_none());
+    }
 }
