@@ -97,6 +97,12 @@ pub struct EngineStats {
     pub tx_backpressure: AtomicU64,
     /// Times a connection's queue overflowed and its peer was sent to UD until it drained.
     pub tx_congested: AtomicU64,
+    /// Packets that found their connection's window (`max_send_wr` in flight) full and waited
+    /// for a completion: none where what the engine is offered, not the window, sets its rate.
+    pub tx_window_waits: AtomicU64,
+    /// The sum, over data sends, of their connection's sends in flight counting them: over
+    /// `tx_packets`, the mean depth the engine sent at (`max_send_wr` when always full).
+    pub tx_depth_sum: AtomicU64,
     /// Packets that were not IP (dropped).
     pub tx_malformed: AtomicU64,
     pub send_errors: AtomicU64,
@@ -146,6 +152,8 @@ impl EngineStats {
             ("tx_oversize", g(&self.tx_oversize)),
             ("tx_backpressure", g(&self.tx_backpressure)),
             ("tx_congested", g(&self.tx_congested)),
+            ("tx_window_waits", g(&self.tx_window_waits)),
+            ("tx_depth_sum", g(&self.tx_depth_sum)),
             ("tx_malformed", g(&self.tx_malformed)),
             ("send_errors", g(&self.send_errors)),
             ("rx_packets", g(&self.rx_packets)),
@@ -292,7 +300,7 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
-            max_send_wr: 64,
+            max_send_wr: crate::plan::SEND_WINDOW,
             backlog: 128,
             spare_slots: 32,
         }
@@ -801,6 +809,7 @@ impl Core {
             let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
             if keep {
                 flow.waiting.push_back((slot, len as u32));
+                Self::count(&self.stats.tx_window_waits);
             }
             if !std::mem::replace(&mut flow.congested, true) {
                 Self::count(&self.stats.tx_congested);
@@ -814,9 +823,13 @@ impl Core {
         }
         if full {
             flow.waiting.push_back((slot, len as u32));
+            Self::count(&self.stats.tx_window_waits);
             return Ok(());
         }
         flow.in_flight += 1;
+        self.stats
+            .tx_depth_sum
+            .fetch_add(u64::from(flow.in_flight), Ordering::Relaxed);
         self.outbox.push((qpn, request(slot, len as u32)));
         Ok(())
     }
@@ -1013,6 +1026,9 @@ impl Core {
                 .is_some_and(|r| r.qp.qpn() == wc.qp_num);
             if routed {
                 flow.in_flight += 1;
+                self.stats
+                    .tx_depth_sum
+                    .fetch_add(u64::from(flow.in_flight), Ordering::Relaxed);
                 self.outbox.push((wc.qp_num, request(s, len)));
             } else {
                 self.free.push(s);

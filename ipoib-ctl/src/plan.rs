@@ -44,6 +44,9 @@ pub const MAX_SRQ_DEPTH: u64 = 8192;
 pub const QP_RESERVE: u64 = 8;
 /// Registered send buffers, shared by every connection.
 pub const SEND_SLOTS: u32 = 256;
+/// Sends in flight per connection: each RC QP's send queue depth (`SetupConfig`) and the
+/// engine's window on it (`EngineConfig`), one number so the two cannot disagree.
+pub const SEND_WINDOW: u32 = 64;
 /// Completion queue entries kept for the sends (twice the slots: a slot may complete in
 /// error after a flush); every receive that may be posted needs one besides.
 pub const CQ_SEND_RESERVE: u64 = 2 * SEND_SLOTS as u64;

@@ -190,6 +190,18 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
     }
     // The ACKs came back the same way.
     assert!(here["rx_packets"] > 0 && there["tx_packets"] > 0);
+    // Each send went out with at least itself in flight and at most the window; a wait for
+    // the window is the only way past it.
+    let window = u64::from(EngineConfig::default().max_send_wr);
+    let depth = here["tx_depth_sum"] as f64 / here["tx_packets"] as f64;
+    assert!(
+        (1.0..=window as f64).contains(&depth),
+        "mean depth {depth:.2}: {here:?}"
+    );
+    assert!(
+        depth < window as f64 || here["tx_window_waits"] > 0,
+        "always at the window, never waited: {here:?}"
+    );
 
     // Teardown: the engine stops, the connection closes, the TUN device goes, and the
     // device's verbs resources return to where they were.

@@ -155,6 +155,14 @@ enum Bench {
         /// The baseline on rings per connection, beside this build's rings (else on an SRQ).
         #[arg(long, requires = "baseline_ctl")]
         baseline_rings: bool,
+        /// A's ipoib-ctl (the sender's) at this nice value (an experiment: does the engine's
+        /// rate follow the CPU its thread gets?).
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true,
+              value_parser = clap::value_parser!(i32).range(-20..=19))]
+        ctl_nice: i32,
+        /// --ctl-nice for B's ipoib-ctl too.
+        #[arg(long)]
+        ctl_nice_both: bool,
     },
     /// On this machine's kernel (root): TCP between two namespaces through the engine's TUN
     /// hop (two TUN devices and a relay), over the kernel's UD stand-ins (veth at MTU 2044
@@ -307,9 +315,13 @@ fn main() -> Result<()> {
                     streams,
                     baseline_ctl,
                     baseline_rings,
+                    ctl_nice,
+                    ctl_nice_both,
                 },
         } => {
             let mut args = vec![
+                "--ctl-nice".into(),
+                ctl_nice.to_string(),
                 "--seconds".into(),
                 seconds.to_string(),
                 "--rounds".into(),
@@ -327,6 +339,9 @@ fn main() -> Result<()> {
             }
             if baseline_rings {
                 args.push("--baseline-rings".into());
+            }
+            if ctl_nice_both {
+                args.push("--ctl-nice-both".into());
             }
             bench_in_vm(&root, "bench-engine", &args, "engine.json")
         }

@@ -131,7 +131,7 @@ impl Default for SetupConfig {
             max_backoff: Duration::from_secs(5),
             max_concurrent: 16,
             max_awaiting_req: 64,
-            max_send_wr: 64,
+            max_send_wr: crate::plan::SEND_WINDOW,
             timing: RcTiming::default(),
             device: None,
         }

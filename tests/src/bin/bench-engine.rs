@@ -62,6 +62,31 @@ struct Args {
     /// with this build's CM on rings.
     #[arg(long, requires = "baseline_ctl")]
     baseline_rings: bool,
+    /// Runs the `ipoib-ctl` of A (the sender), or of both nodes with `--ctl-nice-both`, at
+    /// this nice value (an experiment: whether the engine's rate follows the CPU its thread
+    /// gets; 0 leaves them as started).
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
+    ctl_nice: i32,
+    /// `--ctl-nice` for B's `ipoib-ctl` too.
+    #[arg(long)]
+    ctl_nice_both: bool,
+}
+
+/// Every thread of process `pid` at `nice` (on Linux a nice value is a thread's: setpriority
+/// on the PID would change the main thread's alone; threads made later inherit their maker's).
+fn renice(pid: u32, nice: i32) -> Result<()> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let tid: u32 = task?.file_name().to_string_lossy().parse()?;
+        // SAFETY: a plain syscall on a thread id.
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+        ensure!(
+            rc == 0,
+            "setpriority({tid}, {nice}): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
 }
 
 fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
@@ -91,6 +116,10 @@ struct Run {
     engine_msg_per_s: f64,
     engine_msgs: u64,
     engine_mean_size: f64,
+    /// The mean number of sends in flight on the connection as A's engine posted each one
+    /// (up to its window, `max_send_wr`), and how many packets found the window full.
+    engine_depth: f64,
+    engine_window_waits: u64,
     /// A's `ipoib-ctl` CPU time per RC message its engine posted (seconds): on soft-RoCE a
     /// send is built in the kernel within the post call, so this holds the device's work too.
     ctl_a_cpu_s_per_msg: f64,
@@ -240,13 +269,12 @@ fn naks(r: &Run) -> String {
 fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run> {
     let b_ip = b.ip4.to_string();
     let before = a.peer_json(&b_ip)?.context("A knows B")?;
-    let engine = |n: &Node| -> Result<((u64, u64), Option<CacheRun>)> {
+    // (packets, bytes, depth sum, window waits) A's engine counted, and A's peer cache.
+    let engine = |n: &Node| -> Result<([u64; 4], Option<CacheRun>)> {
         let s = n.status_json()?;
         let e = &s["cm"]["engine"];
-        Ok((
-            (json_u64(e, "tx_packets"), json_u64(e, "tx_bytes")),
-            CacheRun::of(&s),
-        ))
+        let c = ["tx_packets", "tx_bytes", "tx_depth_sum", "tx_window_waits"];
+        Ok((c.map(|k| json_u64(e, k)), CacheRun::of(&s)))
     };
     let (e0, cache0) = engine(a)?;
     let rnr0 = rnr_naks();
@@ -271,6 +299,7 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
     let ((a_user, a_system), (b_user, b_system)) = (spent(0), spent(1));
     let a_ticks = a_user + a_system;
     let (e1, cache1) = engine(a)?;
+    let msgs = e1[0] - e0[0];
     let rnr1 = rnr_naks();
     ensure!(
         out.status.success(),
@@ -290,10 +319,12 @@ fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run>
         mbit_s: bps / 1e6,
         cpu_s_per_gb: cpu_s / (bytes / 1e9),
         cm_share: cm / (cm + ud).max(1.0),
-        engine_msg_per_s: (e1.0 - e0.0) as f64 / secs_run,
-        engine_msgs: e1.0 - e0.0,
-        engine_mean_size: (e1.1 - e0.1) as f64 / (e1.0 - e0.0).max(1) as f64,
-        ctl_a_cpu_s_per_msg: a_ticks as f64 / TICKS_PER_S / (e1.0 - e0.0).max(1) as f64,
+        engine_msg_per_s: msgs as f64 / secs_run,
+        engine_msgs: msgs,
+        engine_mean_size: (e1[1] - e0[1]) as f64 / msgs.max(1) as f64,
+        engine_depth: (e1[2] - e0[2]) as f64 / msgs.max(1) as f64,
+        engine_window_waits: e1[3] - e0[3],
+        ctl_a_cpu_s_per_msg: a_ticks as f64 / TICKS_PER_S / msgs.max(1) as f64,
         rnr_naks: rnr0.zip(rnr1).map(|(x, y)| y.saturating_sub(x)),
         cpus: Cpus {
             user: busy(split.user),
@@ -375,6 +406,24 @@ fn bench(
 ) -> Result<()> {
     let (mut server, ctls) = start(lab, dev, &[])?;
     let (mut rings_server, ring_ctls) = start(rings, dev, &["--srq", "off"])?;
+    if args.ctl_nice != 0 {
+        let mut pids = vec![ctls.a, ring_ctls.a];
+        if args.ctl_nice_both {
+            pids.extend([ctls.b, ring_ctls.b]);
+        }
+        for pid in pids {
+            renice(pid, args.ctl_nice)?;
+        }
+        eprintln!(
+            "{} at nice {}",
+            if args.ctl_nice_both {
+                "both nodes' ipoib-ctl"
+            } else {
+                "A's ipoib-ctl"
+            },
+            args.ctl_nice
+        );
+    }
     let base_extra: &[&str] = if args.baseline_rings {
         &["--srq", "off"]
     } else {
@@ -459,7 +508,8 @@ fn bench(
                 base_runs.push(base);
             }
             eprintln!(
-                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B, {} RNR NAKs); \
+                "round {round}: CM {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, engine {:.0} msg/s of {:.0} B \
+                 at depth {:.1} of {window} ({} window waits), {} RNR NAKs); \
                  CM on rings {:.0} Mbit/s ({:.1} CPU s/GB, {:.0}% counted CM, {} RNR NAKs); \
                  UD {:.0} Mbit/s ({:.1} CPU s/GB); ib_send_bw {perf:.0} msg/s",
                 cm.mbit_s,
@@ -467,6 +517,8 @@ fn bench(
                 cm.cm_share * 100.0,
                 cm.engine_msg_per_s,
                 cm.engine_mean_size,
+                cm.engine_depth,
+                cm.engine_window_waits,
                 naks(&cm),
                 on_rings.mbit_s,
                 on_rings.cpu_s_per_gb,
@@ -552,7 +604,10 @@ fn bench(
         "seconds": args.seconds,
         "rounds": args.rounds,
         "streams": args.streams,
-        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks, "cpus": cm.cpus.json(), "peer_cache": cache_json(&cm)},
+        "ctl_nice": args.ctl_nice,
+        "ctl_nice_both": args.ctl_nice_both,
+        "cm": {"mbit_s": r1(cm.mbit_s), "cpu_s_per_gb": r1(cm.cpu_s_per_gb), "cm_share": r1(cm.cm_share * 100.0) / 100.0, "rnr_naks": cm.rnr_naks, "cpus": cm.cpus.json(), "peer_cache": cache_json(&cm),
+               "engine_depth": r1(cm.engine_depth), "engine_window_waits": cm.engine_window_waits},
         "cm_rings": {"mbit_s": r1(on_rings.mbit_s), "cpu_s_per_gb": r1(on_rings.cpu_s_per_gb), "cm_share": r1(on_rings.cm_share * 100.0) / 100.0, "rnr_naks": on_rings.rnr_naks, "cpus": on_rings.cpus.json(), "peer_cache": cache_json(&on_rings)},
         "ud": {"mbit_s": r1(ud.mbit_s), "cpu_s_per_gb": r1(ud.cpu_s_per_gb), "cpus": ud.cpus.json(), "peer_cache": cache_json(&ud)},
         "cm_over_ud": (cm.mbit_s / ud.mbit_s * 1000.0).round() / 1000.0,
