@@ -190,8 +190,8 @@ fn tcp_between_two_nodes_rides_rc_as_whole_super_packets() {
     }
     // The ACKs came back the same way.
     assert!(here["rx_packets"] > 0 && there["tx_packets"] > 0);
-    // Each send went out with at least itself in flight and at most the window; a wait for
-    // the window is the only way past it.
+    // Each send went out with at least itself in flight and at most the window; a mean at
+    // the window means every send found it full, and each such packet counted a wait.
     let window = u64::from(EngineConfig::default().max_send_wr);
     let depth = here["tx_depth_sum"] as f64 / here["tx_packets"] as f64;
     assert!(
