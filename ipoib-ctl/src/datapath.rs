@@ -6,7 +6,7 @@ use aya::{
 };
 use ipoib_common::prog_names;
 
-use crate::maps::{DatapathMaps, MapsError};
+use crate::maps::{DatapathMaps, MapsError, PeerCacheCounts};
 
 /// The fast path's eBPF object, built by this crate's build script.
 pub static EBPF_OBJECT: &[u8] =
@@ -24,6 +24,12 @@ pub enum DatapathError {
     MissingProgram { name: &'static str },
     #[error("the kernel refused program {name}: {source}")]
     Program {
+        name: &'static str,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("reading what the kernel holds of program {name}: {source}")]
+    Info {
         name: &'static str,
         #[source]
         source: ProgramError,
@@ -86,6 +92,17 @@ impl Datapath {
 
     pub fn ingress(&mut self) -> Result<&mut Xdp, DatapathError> {
         program(&mut self.ebpf, prog_names::INGRESS)
+    }
+
+    /// What the programs' peer cache answered since they were loaded (`None`: this object's
+    /// programs do not count it); see [`crate::maps::peer_cache_of`].
+    pub fn peer_cache(&mut self) -> Result<Option<PeerCacheCounts>, DatapathError> {
+        let name = prog_names::EGRESS;
+        let info = self
+            .egress()?
+            .info()
+            .map_err(|source| DatapathError::Info { name, source })?;
+        Ok(crate::maps::peer_cache_of(&info, name)?)
     }
 
     /// Forwards what the programs logged to `log` (off the hot path: call it from the loop).

@@ -357,6 +357,14 @@ impl Flow {
             dead: false,
         }
     }
+
+    /// One more data send in flight, its depth counted (`tx_depth_sum`).
+    fn admit(&mut self, stats: &EngineStats) {
+        self.in_flight += 1;
+        stats
+            .tx_depth_sum
+            .fetch_add(u64::from(self.in_flight), Ordering::Relaxed);
+    }
 }
 
 pub struct Engine {
@@ -826,10 +834,7 @@ impl Core {
             Self::count(&self.stats.tx_window_waits);
             return Ok(());
         }
-        flow.in_flight += 1;
-        self.stats
-            .tx_depth_sum
-            .fetch_add(u64::from(flow.in_flight), Ordering::Relaxed);
+        flow.admit(&self.stats);
         self.outbox.push((qpn, request(slot, len as u32)));
         Ok(())
     }
@@ -1025,10 +1030,7 @@ impl Core {
                 .get(&flow.dst)
                 .is_some_and(|r| r.qp.qpn() == wc.qp_num);
             if routed {
-                flow.in_flight += 1;
-                self.stats
-                    .tx_depth_sum
-                    .fetch_add(u64::from(flow.in_flight), Ordering::Relaxed);
+                flow.admit(&self.stats);
                 self.outbox.push((wc.qp_num, request(s, len)));
             } else {
                 self.free.push(s);

@@ -326,6 +326,17 @@ pub fn arp_frame(l2: L2) -> Vec<u8> {
     out
 }
 
+/// A TCP frame of `len` bytes from this node (10.0.0.1, or fd00::1 to an IPv6 address) to
+/// `dst`, as the fast path's egress sees it.
+pub fn tcp_to(l2: L2, dst: &str, len: usize) -> Vec<u8> {
+    let src = if dst.contains(':') {
+        "fd00::1"
+    } else {
+        "10.0.0.1"
+    };
+    FrameSpec::tcp(l2, src, dst, len).build()
+}
+
 /// A frame of an ethertype the fast path does not handle.
 pub fn non_ip_frame(l2: L2, ethertype: u16, len: usize) -> Vec<u8> {
     let mut out = Vec::new();

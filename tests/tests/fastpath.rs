@@ -184,15 +184,6 @@ impl L2Len for Harness {
 const BIG: usize = 3000;
 const SMALL: usize = 100;
 
-fn tcp(l2: L2, dst: &str, len: usize) -> Vec<u8> {
-    let src = if dst.contains(':') {
-        "fd00::1"
-    } else {
-        "10.0.0.1"
-    };
-    FrameSpec::tcp(l2, src, dst, len).build()
-}
-
 #[test]
 fn egress_decisions_ipoib() {
     let Some(mut h) = harness("egress_decisions_ipoib", Link::Ipoib) else {
@@ -234,7 +225,7 @@ fn egress_decisions_ipoib() {
     let cases = vec![
         case(
             "v4 tcp big to CM_UP",
-            tcp(uc, "10.0.0.2", BIG),
+            tcp_to(uc, "10.0.0.2", BIG),
             TxCmRedirect,
             false,
             "10.0.0.2",
@@ -242,7 +233,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 at threshold",
-            tcp(uc, "10.0.0.2", threshold),
+            tcp_to(uc, "10.0.0.2", threshold),
             TxCmRedirect,
             false,
             "10.0.0.2",
@@ -250,7 +241,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 below threshold",
-            tcp(uc, "10.0.0.2", threshold - 1),
+            tcp_to(uc, "10.0.0.2", threshold - 1),
             TxUdSmall,
             true,
             "10.0.0.2",
@@ -258,7 +249,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 tcp small to CM_UP",
-            tcp(uc, "10.0.0.2", SMALL),
+            tcp_to(uc, "10.0.0.2", SMALL),
             TxUdSmall,
             true,
             "10.0.0.2",
@@ -266,7 +257,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 small, no RC flag",
-            tcp(no_rc, "10.0.0.2", SMALL),
+            tcp_to(no_rc, "10.0.0.2", SMALL),
             TxUdSmall,
             false,
             "10.0.0.2",
@@ -290,7 +281,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 big to CM_PENDING",
-            tcp(uc, "10.0.0.4", BIG),
+            tcp_to(uc, "10.0.0.4", BIG),
             TxUdPeerNotUp,
             true,
             "10.0.0.4",
@@ -298,7 +289,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 big to pinned UD",
-            tcp(uc, "10.0.0.5", BIG),
+            tcp_to(uc, "10.0.0.5", BIG),
             TxUdPinnedUd,
             true,
             "10.0.0.5",
@@ -306,7 +297,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 big to pinned CM",
-            tcp(uc, "10.0.0.7", BIG),
+            tcp_to(uc, "10.0.0.7", BIG),
             TxCmRedirect,
             false,
             "10.0.0.7",
@@ -314,7 +305,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v4 big to unknown",
-            tcp(uc, "10.0.0.9", BIG),
+            tcp_to(uc, "10.0.0.9", BIG),
             TxUdNoPeer,
             true,
             "10.0.0.9",
@@ -323,7 +314,7 @@ fn egress_decisions_ipoib() {
         case("handshake port", ctl, TxUdControl, true, "10.0.0.2", Ud),
         case(
             "multicast gid",
-            tcp(L2::multicast(Link::Ipoib), "224.0.0.251", BIG),
+            tcp_to(L2::multicast(Link::Ipoib), "224.0.0.251", BIG),
             TxUdMulticast,
             false,
             "224.0.0.251",
@@ -331,7 +322,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "multicast gid with RC bit",
-            tcp(mc_rc, "224.0.0.251", BIG),
+            tcp_to(mc_rc, "224.0.0.251", BIG),
             TxUdMulticast,
             false,
             "224.0.0.251",
@@ -339,7 +330,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "broadcast gid",
-            tcp(L2::broadcast(Link::Ipoib), "10.0.0.255", BIG),
+            tcp_to(L2::broadcast(Link::Ipoib), "10.0.0.255", BIG),
             TxUdMulticast,
             false,
             "10.0.0.255",
@@ -347,7 +338,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "ip multicast on unicast gid",
-            tcp(no_rc, "239.1.1.1", BIG),
+            tcp_to(no_rc, "239.1.1.1", BIG),
             TxUdMulticast,
             false,
             "239.1.1.1",
@@ -379,7 +370,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v6 tcp big to CM_UP",
-            tcp(uc, "fd00::2", BIG),
+            tcp_to(uc, "fd00::2", BIG),
             TxCmRedirect,
             false,
             "fd00::2",
@@ -387,7 +378,7 @@ fn egress_decisions_ipoib() {
         ),
         case(
             "v6 tcp small",
-            tcp(uc, "fd00::2", SMALL),
+            tcp_to(uc, "fd00::2", SMALL),
             TxUdSmall,
             true,
             "fd00::2",
@@ -424,7 +415,7 @@ fn egress_decisions_ethernet() {
     let cases = vec![
         case(
             "v4 big to CM_UP",
-            tcp(uc, "10.0.0.2", BIG),
+            tcp_to(uc, "10.0.0.2", BIG),
             TxCmRedirect,
             false,
             "10.0.0.2",
@@ -432,7 +423,7 @@ fn egress_decisions_ethernet() {
         ),
         case(
             "v4 small",
-            tcp(uc, "10.0.0.2", SMALL),
+            tcp_to(uc, "10.0.0.2", SMALL),
             TxUdSmall,
             false,
             "10.0.0.2",
@@ -440,7 +431,7 @@ fn egress_decisions_ethernet() {
         ),
         case(
             "v6 big to CM_UP",
-            tcp(uc, "fd00::2", BIG),
+            tcp_to(uc, "fd00::2", BIG),
             TxCmRedirect,
             false,
             "fd00::2",
@@ -448,7 +439,7 @@ fn egress_decisions_ethernet() {
         ),
         case(
             "multicast mac",
-            tcp(L2::multicast(Link::Ether), "224.0.0.251", BIG),
+            tcp_to(L2::multicast(Link::Ether), "224.0.0.251", BIG),
             TxUdMulticast,
             false,
             "224.0.0.251",
@@ -456,7 +447,7 @@ fn egress_decisions_ethernet() {
         ),
         case(
             "broadcast mac",
-            tcp(L2::broadcast(Link::Ether), "10.0.0.255", BIG),
+            tcp_to(L2::broadcast(Link::Ether), "10.0.0.255", BIG),
             TxUdMulticast,
             false,
             "10.0.0.255",
@@ -489,14 +480,14 @@ fn egress_malformed_headers() {
         return;
     };
     let uc = L2::unicast(Link::Ipoib);
-    let good = tcp(uc, "10.0.0.2", BIG);
+    let good = tcp_to(uc, "10.0.0.2", BIG);
     let mut bad_version = good.clone();
     bad_version[24] = 0x55;
     let mut bad_ihl = good.clone();
     bad_ihl[24] = 0x44;
     let mut bad_doff = good.clone();
     bad_doff[24 + 20 + 12] = 0x40;
-    let mut v6_bad_version = tcp(uc, "fd00::2", BIG);
+    let mut v6_bad_version = tcp_to(uc, "fd00::2", BIG);
     v6_bad_version[24] = 0x40;
     let cases = vec![
         case(
@@ -541,7 +532,7 @@ fn egress_ipv4_fragment() {
     let Some(mut h) = harness("egress_ipv4_fragment", Link::Ipoib) else {
         return;
     };
-    let mut frag = tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    let mut frag = tcp_to(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
     frag[24 + 6] = 0x00;
     frag[24 + 7] = 0xb9; // offset 185 * 8
     let cases = vec![case(
@@ -561,8 +552,8 @@ fn egress_policy_modes() {
         return;
     };
     let uc = L2::unicast(Link::Ipoib);
-    let big = || tcp(uc, "10.0.0.2", BIG);
-    let small = || tcp(uc, "10.0.0.2", SMALL);
+    let big = || tcp_to(uc, "10.0.0.2", BIG);
+    let small = || tcp_to(uc, "10.0.0.2", SMALL);
 
     // datagram: nothing redirected, kernel CM forbidden.
     let base = Policy::new(ipoib_common::ARPHRD_INFINIBAND);
@@ -627,7 +618,7 @@ fn egress_policy_modes() {
             ),
             case(
                 "kernel cm pinned ud",
-                tcp(uc, "10.0.0.5", BIG),
+                tcp_to(uc, "10.0.0.5", BIG),
                 Reason::TxUdPinnedUd,
                 true,
                 "10.0.0.5",
@@ -699,7 +690,7 @@ fn egress_to_a_gone_cm_device_goes_ud() {
     const GONE: u32 = 0x7fff_fff0;
     let key = PeerKey::from("10.0.0.2".parse::<std::net::IpAddr>().unwrap());
     let entry = h.dp.maps.peer(&key).unwrap().expect("installed");
-    let big = || tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    let big = || tcp_to(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
     for (kernel_cm, rc_cleared) in [(0, true), (1, false)] {
         h.set_policy(Policy {
             kernel_cm,
@@ -795,7 +786,7 @@ fn pinned_harness(test: &str) -> Option<(Harness, PeerKey, PeerEntry)> {
 /// A big packet to 10.0.0.2 that must meet `reason`: redirected to CM, or sent UD with the RC
 /// flag cleared (kernel CM is forbidden by default).
 fn big_to_2(name: &'static str, reason: Reason) -> Case {
-    let frame = tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    let frame = tcp_to(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
     if reason == Reason::TxCmRedirect {
         case(name, frame, reason, false, "10.0.0.2", Path::Cm)
     } else {
@@ -896,13 +887,13 @@ fn the_peer_cache_counts_its_hits_and_each_kind_of_miss() {
         return;
     };
     let counts = |h: &mut Harness| {
-        let info = h.dp.egress().unwrap().info().unwrap();
-        ipoib_ctl::maps::peer_cache_of(&info, "the test's egress program")
+        h.dp.peer_cache()
             .unwrap()
             .expect("this build's programs count their cache")
     };
     let send = |h: &mut Harness, to: &str| {
-        h.egress(&tcp(L2::unicast(Link::Ipoib), to, BIG)).unwrap();
+        h.egress(&tcp_to(L2::unicast(Link::Ipoib), to, BIG))
+            .unwrap();
     };
     // (hits, stale, other) since the last look.
     let mut last = counts(&mut h);
@@ -963,20 +954,12 @@ fn an_earlier_builds_uncounted_cache_is_told_apart() {
         Ok(dp) => dp,
         Err(e) => return bpf_unavailable(test, &format!("loading the fixture failed: {e}")),
     };
-    let info = dp.egress().unwrap().info().unwrap();
-    assert_eq!(
-        ipoib_ctl::maps::peer_cache_of(&info, "the fixture's egress program").unwrap(),
-        None
-    );
+    assert_eq!(dp.peer_cache().unwrap(), None);
     // This build's, beside it: counted.
     let Some(mut dp) = load_or_skip(test) else {
         return;
     };
-    let info = dp.egress().unwrap().info().unwrap();
-    assert_eq!(
-        ipoib_ctl::maps::peer_cache_of(&info, "this build's egress program").unwrap(),
-        Some(PeerCacheCounts::default())
-    );
+    assert_eq!(dp.peer_cache().unwrap(), Some(PeerCacheCounts::default()));
 }
 
 /// A write to the peers map that leaves the heartbeat alone (what a control plane of an
@@ -1052,7 +1035,7 @@ fn peers_that_share_a_cache_slot_keep_their_own_entries() {
             vec![
                 case(
                     "CM_UP peer",
-                    tcp(L2::unicast(Link::Ipoib), a, BIG),
+                    tcp_to(L2::unicast(Link::Ipoib), a, BIG),
                     Reason::TxCmRedirect,
                     false,
                     a,
@@ -1060,7 +1043,7 @@ fn peers_that_share_a_cache_slot_keep_their_own_entries() {
                 ),
                 case(
                     "UD peer in the same slot",
-                    tcp(L2::unicast(Link::Ipoib), b, BIG),
+                    tcp_to(L2::unicast(Link::Ipoib), b, BIG),
                     Reason::TxUdPeerNotUp,
                     true,
                     b,
@@ -1078,7 +1061,7 @@ fn egress_heartbeat_deadline() {
     let Some(mut h) = harness("egress_heartbeat_deadline", Link::Ipoib) else {
         return;
     };
-    let big = || tcp(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    let big = || tcp_to(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
     let timeout = h.policy().heartbeat_timeout_ns;
     let now = monotonic_ns();
 
@@ -1348,8 +1331,8 @@ fn random_frames_are_safe() {
         h.dp.maps.remove_peer(&blocked).unwrap();
         let mut rng = Rng::new(0x1b0b_2026 + link as u64);
         let templates = [
-            tcp(L2::unicast(link), "10.0.0.2", BIG),
-            tcp(L2::unicast(link), "fd00::2", 400),
+            tcp_to(L2::unicast(link), "10.0.0.2", BIG),
+            tcp_to(L2::unicast(link), "fd00::2", 400),
             arp_frame(L2::broadcast(link)),
         ];
         let before = h.reasons();
@@ -1449,7 +1432,7 @@ fn traffic_moves_from_counted_apart_to_a_slot() {
     let slot = |h: &Harness, ip: &str| h.dp.maps.peer(&key(ip)).unwrap().map(|e| e.traffic_slot);
     let send = |h: &mut Harness, ip: &str, n: usize| {
         for _ in 0..n {
-            h.egress(&tcp(uc, ip, SMALL)).unwrap();
+            h.egress(&tcp_to(uc, ip, SMALL)).unwrap();
         }
     };
     let (now, never) = (monotonic_ns(), u64::MAX);
@@ -1655,7 +1638,7 @@ fn a_peer_given_its_slot_while_status_reads_is_never_missing() {
     let mut assigned = 0;
     for r in 0..ROUNDS {
         for i in 1..=PER_ROUND {
-            h.egress(&tcp(L2::unicast(Link::Ipoib), &addr(r, i), SMALL))
+            h.egress(&tcp_to(L2::unicast(Link::Ipoib), &addr(r, i), SMALL))
                 .unwrap();
         }
         seen.store(r + 1, SeqCst);

@@ -243,9 +243,7 @@ fn main() -> Result<()> {
             let compare = match compare_object {
                 Some(p) => vec![
                     "--compare-object".into(),
-                    std::fs::canonicalize(&p)
-                        .with_context(|| format!("{}", p.display()))?
-                        .into_os_string(),
+                    existing_file(&p, "--compare-object")?.into_os_string(),
                 ],
                 None => Vec::new(),
             };
@@ -331,10 +329,7 @@ fn main() -> Result<()> {
             ];
             if let Some(p) = baseline_ctl {
                 // The VM shares this filesystem: the path is the same inside.
-                let p = std::path::absolute(&p)?;
-                if !p.is_file() {
-                    bail!("--baseline-ctl {}: no such file", p.display());
-                }
+                let p = existing_file(&p, "--baseline-ctl")?;
                 args.extend(["--baseline-ctl".into(), p.display().to_string()]);
             }
             if baseline_rings {
@@ -367,6 +362,16 @@ fn bench_verbs(root: &Path, size: u32, seconds: u32, rounds: u32, qps: u32) -> R
     .flat_map(|(k, v)| [k.to_string(), v.to_string()])
     .collect();
     bench_in_vm(root, "bench-verbs", &args, "verbs.json")
+}
+
+/// `p` made absolute, for a command that runs elsewhere (the workspace's root, the VM); an
+/// error naming `flag` when it is no file.
+fn existing_file(p: &Path, flag: &str) -> Result<PathBuf> {
+    let p = std::path::absolute(p)?;
+    if !p.is_file() {
+        bail!("{flag} {}: no such file", p.display());
+    }
+    Ok(p)
 }
 
 fn bench_hop(root: &Path, seconds: u32, rounds: u32, streams: u32) -> Result<()> {

@@ -252,8 +252,11 @@ fn main() -> Result<()> {
     let mut all_within = true;
     // Issue 15's target: every scenario within 3x the trivial program of its type.
     const TARGET: f64 = 3.0;
+    let med = |series: &[Vec<f64>]| series.iter().map(|v| median(v)).collect::<Vec<f64>>();
+    // medians[scenario][column], once: the table below and the comparison read them.
+    let medians: Vec<Vec<f64>> = samples.iter().map(|cols| med(cols)).collect();
     for (si, s) in scenarios.iter().enumerate() {
-        let m: Vec<f64> = samples[si].iter().map(|v| median(v)).collect();
+        let m = &medians[si];
         let (tc, xdp) = (m[base_col].max(1.0), m[base_col + 1].max(1.0));
         let (re, ri) = (m[0] / tc, m[1] / xdp);
         all_within &= !s.steady || (re <= TARGET && ri <= TARGET);
@@ -284,7 +287,6 @@ fn main() -> Result<()> {
     );
     // One packet per call: the kernel's time of a single run carries its own clock reads,
     // the same in every series, so only the differences between the series count.
-    let med = |series: &[Vec<f64>]| series.iter().map(|v| median(v)).collect::<Vec<f64>>();
     let (m, trivial) = (med(&single[0]), med(&single_trivial));
     println!(
         "\nOne packet per call (repeat 1, {} calls a round, median of the rounds' interquartile \
@@ -311,10 +313,10 @@ fn main() -> Result<()> {
         m[2] - m[0],
         m[3] - m[1]
     );
-    let series_json = |series: &[Vec<f64>], names: &[&str]| -> serde_json::Value {
-        names
-            .iter()
-            .zip(series)
+    // Each series by name: its median and every round's figure.
+    let series_json = |named: Vec<(&str, &Vec<f64>)>| -> serde_json::Value {
+        named
+            .into_iter()
             .map(|(name, v)| {
                 (
                     name.to_string(),
@@ -324,21 +326,21 @@ fn main() -> Result<()> {
             .collect::<serde_json::Map<_, _>>()
             .into()
     };
-    let mut single_json = series_json(&single[0], &SINGLE_SERIES);
-    if let (Some(o), serde_json::Value::Object(t)) = (
-        single_json.as_object_mut(),
-        series_json(&single_trivial, &TRIVIAL_SERIES),
-    ) {
-        o.extend(t);
-    }
+    let single_json = series_json(
+        SINGLE_SERIES
+            .into_iter()
+            .zip(&single[0])
+            .chain(TRIVIAL_SERIES.into_iter().zip(&single_trivial))
+            .collect(),
+    );
     let hit_rates = cache_hit_rates(&mut subjects[0].h)?;
     let compared = match (&args.compare_object, single.get(1)) {
         (Some(path), Some(cs)) => {
-            print_compared(path, &scenarios, &samples, &m, &med(cs));
+            print_compared(path, &scenarios, &medians, &m, &med(cs));
             serde_json::json!({
                 "object": path,
                 "results": compared_rows,
-                "one_packet_per_call": series_json(cs, &SINGLE_SERIES),
+                "one_packet_per_call": series_json(SINGLE_SERIES.into_iter().zip(cs).collect()),
             })
         }
         _ => serde_json::Value::Null,
@@ -391,8 +393,7 @@ const ADDRESS_SETS: [(&str, AddressOf); 3] = [
 fn cache_hit_rates(h: &mut Harness) -> Result<serde_json::Value> {
     const TURNS: u32 = 4;
     let counts = |h: &mut Harness| -> Result<PeerCacheCounts> {
-        let info = h.dp.egress()?.info()?;
-        ipoib_ctl::maps::peer_cache_of(&info, "this build's egress program")?
+        h.dp.peer_cache()?
             .context("this build's programs count their cache")
     };
     let uc = L2::unicast(Link::Ipoib);
@@ -409,20 +410,11 @@ fn cache_hit_rates(h: &mut Harness) -> Result<serde_json::Value> {
     for n in [16u32, 64, 128, 256, 512, 1024] {
         print!("{n:>6}");
         for (name, addr) in ADDRESS_SETS {
-            let frames: Vec<Vec<u8>> = (0..n)
-                .map(|i| {
-                    let dst = addr(i);
-                    let src = if dst.contains(':') {
-                        "fd00::1"
-                    } else {
-                        "10.0.0.1"
-                    };
-                    FrameSpec::tcp(uc, src, &dst, 100).build()
-                })
-                .collect();
+            let addrs: Vec<String> = (0..n).map(addr).collect();
             // Distinct addresses, or the rate would flatter the cache.
-            let distinct: std::collections::HashSet<String> = (0..n).map(addr).collect();
-            anyhow::ensure!(distinct.len() == n as usize, "{name}: repeated addresses");
+            let distinct: std::collections::HashSet<&String> = addrs.iter().collect();
+            anyhow::ensure!(distinct.len() == addrs.len(), "{name}: repeated addresses");
+            let frames: Vec<Vec<u8>> = addrs.iter().map(|a| tcp_to(uc, a, 100)).collect();
             for f in &frames {
                 h.egress(f)?;
             }
@@ -460,12 +452,12 @@ fn turns(n: usize, round: u32) -> Vec<usize> {
     order
 }
 
-/// This build (columns 0, 1 of `samples`; `single` its one-packet series) against the
+/// This build (columns 0, 1 of `medians`; `single` its one-packet series) against the
 /// compared one (columns 2, 3; `compared_single`), scenario by scenario.
 fn print_compared(
     path: &std::path::Path,
     scenarios: &[Scenario],
-    samples: &[Vec<Vec<f64>>],
+    medians: &[Vec<f64>],
     single: &[f64],
     compared_single: &[f64],
 ) {
@@ -489,8 +481,7 @@ fn print_compared(
             i - ci
         );
     };
-    for (si, s) in scenarios.iter().enumerate() {
-        let m: Vec<f64> = samples[si][..4].iter().map(|v| median(v)).collect();
+    for (s, m) in scenarios.iter().zip(medians) {
         row(s.name, m[0], m[2], m[1], m[3]);
     }
     row(

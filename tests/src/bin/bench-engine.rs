@@ -35,7 +35,7 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
-use ipoib_ctl::{engine::EngineConfig, verbs::Device};
+use ipoib_ctl::{engine::EngineConfig, maps::PeerCacheCounts, verbs::Device};
 use ipoib_tests::{
     bench::{CpuSplit, TICKS_PER_S, stat_user_system},
     cmlab::rxe_device,
@@ -142,13 +142,12 @@ struct CacheRun {
 }
 
 impl CacheRun {
-    /// (hits, lookups) as `status --json` shows them, if it does.
+    /// The cache's lookups and hits so far, as `status --json` shows them, if it does.
     fn of(status: &serde_json::Value) -> Option<Self> {
-        let c = status.get("peer_cache")?.as_object()?;
-        let n = |k: &str| c.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+        let c: PeerCacheCounts = serde_json::from_value(status.get("peer_cache")?.clone()).ok()?;
         Some(Self {
-            lookups: n("hits") + n("misses_stale") + n("misses_other"),
-            hits: n("hits"),
+            lookups: c.lookups(),
+            hits: c.hits,
         })
     }
 
