@@ -30,16 +30,21 @@
 //! read), or completions until the CQ is empty or 20 ms are spent (the sends they
 //! release posted at the end, one chain per QP), or a command, or housekeeping.
 //!
-//! The engine owns its routes (destination address to connection) and its per-QP receive
-//! counts: the control plane changes routes with [`EngineCommand`]s through an
-//! [`EngineControl`] and hears back [`EngineEvent`]s, so no lock is taken per packet sent. On
-//! rings per connection a received message's ring is found in the ring pool's table, behind
-//! one uncontended lock (the ring's QP is made and dropped on this same thread).
+//! What to do with each packet and completion is decided in [`EngineCore`], free of I/O and
+//! unit-tested on its own (`engine/core/tests.rs`); this module's loop reads, polls, posts and
+//! writes, and performs what the core decides. The engine owns its routes (destination
+//! address to connection) and its per-QP receive counts: the control plane changes routes with
+//! [`EngineCommand`]s through an [`EngineControl`] and hears back [`EngineEvent`]s, so no lock
+//! is taken per packet sent. On rings per connection a received message's ring is found in the
+//! ring pool's table, behind one uncontended lock (the ring's QP is made and dropped on this
+//! same thread).
 //!
 //! Runs on tokio: AsyncFd on the TUN fd and on the CQ's completion channel.
 
+mod core;
+
 use std::{
-    collections::{HashMap, HashSet, VecDeque, hash_map::Entry},
+    collections::HashMap,
     io,
     net::IpAddr,
     os::fd::{AsRawFd, RawFd},
@@ -58,8 +63,10 @@ use tokio::{
 
 use crate::{
     tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN},
-    verbs::{Completion, RcQueuePair, Resources, SendRequest, VerbsError, WC_FLUSHED},
+    verbs::{Completion, RcQueuePair, Resources, VerbsError, WC_FLUSHED},
 };
+
+pub use self::core::{EngineCore, Link};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -189,15 +196,15 @@ impl EngineStats {
     }
 }
 
-/// A connection as the engine uses it.
+/// A connection as the engine uses it (the core's tests give it a QP of their own).
 #[derive(Clone)]
-pub struct Route {
-    pub qp: Arc<RcQueuePair>,
+pub struct Route<Q = Arc<RcQueuePair>> {
+    pub qp: Q,
     /// Largest RC message (RFC 4755 connection MTU, 65520 at most).
     pub mtu: u32,
 }
 
-impl std::fmt::Debug for Route {
+impl<Q: Link> std::fmt::Debug for Route<Q> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Route(QP {}, MTU {})", self.qp.qpn(), self.mtu)
     }
@@ -335,126 +342,26 @@ pub enum EngineEvent {
     Keepalives(Vec<(u32, u64)>),
 }
 
-/// Per-connection send state, by QP number.
-struct Flow {
-    dst: IpAddr,
-    qp: Arc<RcQueuePair>,
-    in_flight: u32,
-    /// Filled send slots waiting to be posted, and their lengths.
-    waiting: VecDeque<(u32, u32)>,
-    congested: bool,
-    dead: bool,
-}
-
-impl Flow {
-    fn new(dst: IpAddr, qp: Arc<RcQueuePair>) -> Self {
-        Self {
-            dst,
-            qp,
-            in_flight: 0,
-            waiting: VecDeque::new(),
-            congested: false,
-            dead: false,
-        }
-    }
-
-    /// One more data send in flight, its depth counted (`tx_depth_sum`).
-    fn admit(&mut self, stats: &EngineStats) {
-        self.in_flight += 1;
-        stats
-            .tx_depth_sum
-            .fetch_add(u64::from(self.in_flight), Ordering::Relaxed);
-    }
-}
-
 pub struct Engine {
     /// Where a TUN read puts what does not fit in a send slot (the packet is then dropped as
     /// oversize): a packet longer than the read's buffers would fail the read.
     spill: Vec<u8>,
     tun: Tun,
-    core: Core,
+    io: Io,
     commands: mpsc::UnboundedReceiver<EngineCommand>,
     control: EngineControl,
 }
 
-/// A count per QP, reported to the control plane as totals at the housekeeping after any
-/// changed.
-#[derive(Default)]
-struct Totals {
-    by_qp: HashMap<u32, u64>,
-    changed: bool,
-}
-
-impl Totals {
-    fn add(&mut self, qpn: u32, n: u64) {
-        *self.by_qp.entry(qpn).or_default() += n;
-        self.changed = true;
-    }
-
-    fn forget(&mut self, qpn: u32) {
-        self.by_qp.remove(&qpn);
-    }
-
-    /// Keeps only the QPs in `live`.
-    fn retain(&mut self, live: &HashSet<u32>) {
-        self.by_qp.retain(|qpn, _| live.contains(qpn));
-    }
-
-    /// Every total, once after a change.
-    fn report(&mut self) -> Option<Vec<(u32, u64)>> {
-        std::mem::take(&mut self.changed)
-            .then(|| self.by_qp.iter().map(|(q, n)| (*q, *n)).collect())
-    }
-}
-
-/// Which counter a dropped packet is counted under.
-type Dropped = fn(&EngineStats) -> &AtomicU64;
-
-/// Everything but the TUN device, so the TUN's readiness can be borrowed while packets move.
-struct Core {
+/// The engine's I/O but the TUN device (kept apart so the TUN's readiness can be borrowed
+/// while packets move), and the core that decides it.
+struct Io {
     res: Arc<Resources>,
-    cfg: EngineConfig,
     stats: Arc<EngineStats>,
-    free: Vec<u32>,
-    routes: HashMap<IpAddr, Route>,
-    flows: HashMap<u32, Flow>,
-    /// Bytes received per QP, and keepalives received per QP.
-    rx_by_qp: Totals,
-    keepalives_by_qp: Totals,
-    /// QPs something was sent on since the last housekeeping (the others get a keepalive).
-    sent_on: HashSet<u32>,
-    /// Sends decided and not yet posted (QP number, request): posted by [`Core::flush`], one
-    /// chain per QP, after each read ([`READ_CHAIN`]) and at the end of a completion turn.
-    outbox: Vec<(u32, SendRequest)>,
-    /// One QP's part of the outbox while it is posted (kept to reuse its memory).
-    chain: Vec<SendRequest>,
+    /// What is decided: see [`EngineCore`].
+    core: EngineCore<Arc<RcQueuePair>>,
     /// The completions of one poll, kept to reuse its memory.
     wcs: Vec<Completion>,
     events: Option<mpsc::UnboundedSender<EngineEvent>>,
-}
-
-/// A send of the first `len` bytes of send slot `slot`, named by its slot.
-fn request(slot: u32, len: u32) -> SendRequest {
-    SendRequest {
-        slot,
-        len,
-        wr_id: u64::from(slot),
-    }
-}
-
-/// The destination address of an IP packet.
-fn destination(pkt: &[u8]) -> Option<IpAddr> {
-    match pkt.first()? >> 4 {
-        4 => {
-            let a: [u8; 4] = pkt.get(16..20)?.try_into().ok()?;
-            Some(IpAddr::from(a))
-        }
-        6 => {
-            let a: [u8; 16] = pkt.get(24..40)?.try_into().ok()?;
-            Some(IpAddr::from(a))
-        }
-        _ => None,
-    }
 }
 
 /// How often flows of gone connections are forgotten, receive totals reported and the
@@ -499,7 +406,6 @@ impl Engine {
         if res.recv_cq.channel_fd().is_none() || !Arc::ptr_eq(&res.send_cq, &res.recv_cq) {
             return Err(EngineError::NoChannel);
         }
-        let free = (0..res.send.count).rev().collect();
         let (tx, commands) = mpsc::unbounded_channel();
         let stats = Arc::new(EngineStats::default());
         stats
@@ -508,18 +414,10 @@ impl Engine {
         Ok(Self {
             spill: vec![0; TUN_READ_MAX],
             tun,
-            core: Core {
+            io: Io {
+                core: EngineCore::new(res.send.count, cfg, stats.clone()),
                 res,
-                cfg,
                 stats,
-                free,
-                routes: HashMap::new(),
-                flows: HashMap::new(),
-                rx_by_qp: Totals::default(),
-                keepalives_by_qp: Totals::default(),
-                sent_on: HashSet::new(),
-                outbox: Vec::with_capacity(2 * READ_BATCH),
-                chain: Vec::with_capacity(2 * READ_BATCH),
                 wcs: Vec::with_capacity(POLL_BATCH),
                 events: None,
             },
@@ -529,13 +427,13 @@ impl Engine {
     }
 
     pub fn stats(&self) -> Arc<EngineStats> {
-        self.core.stats.clone()
+        self.io.stats.clone()
     }
 
     /// Where QP errors, congestion, routes added and receive totals are reported.
     pub fn events(&mut self) -> mpsc::UnboundedReceiver<EngineEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
-        self.core.events = Some(tx);
+        self.io.events = Some(tx);
         rx
     }
 
@@ -564,7 +462,7 @@ impl Engine {
     ) -> Result<(), EngineError> {
         let tun_err = self.tun_err();
         let fd = self
-            .core
+            .io
             .res
             .recv_cq
             .channel_fd()
@@ -577,29 +475,29 @@ impl Engine {
             AsyncFd::register_with_interest(RawFdRef(self.tun.as_raw_fd()), Interest::READABLE)
         }
         .map_err(|e| tun_err(e.into_parts().1))?;
-        self.core.res.recv_cq.arm()?;
+        self.io.res.recv_cq.arm()?;
         // Completions left for the next turn (the last turn took its share and stopped).
-        let mut more = self.core.completions(&self.tun)?;
+        let mut more = self.io.completions(&self.tun)?;
         tokio::pin!(stop);
         let mut housekeeping = crate::clock::delayed_interval(HOUSEKEEPING);
         loop {
-            let can_send = !self.core.free.is_empty();
+            let can_send = self.io.core.can_read();
             tokio::select! {
                 _ = &mut stop => return Ok(()),
                 Some(c) = self.commands.recv() => {
                     if let EngineCommand::Fault(f) = c {
                         inject(f).await;
                     }
-                    self.core.command(c);
+                    self.io.command(c);
                 }
-                _ = housekeeping.tick() => self.core.housekeeping(),
+                _ = housekeeping.tick() => self.io.housekeeping(),
                 g = channel.readable() => {
                     let mut g = g.map_err(&tun_err)?;
-                    let cq = &self.core.res.recv_cq;
+                    let cq = &self.io.res.recv_cq;
                     while cq.wait(Duration::ZERO)? {}
                     g.clear_ready();
                     cq.arm()?;
-                    more = self.core.completions(&self.tun)?;
+                    more = self.io.completions(&self.tun)?;
                 }
                 // What the CQ still held after the last turn's share: taken after the other
                 // branches had their chance (select picks among the ready at random) and the
@@ -608,7 +506,7 @@ impl Engine {
                 // thread back (seen: a peer taken for dead, its keepalives unread for 3.9 s,
                 // under four bulk streams in the VM).
                 () = tokio::task::yield_now(), if more => {
-                    more = self.core.completions(&self.tun)?;
+                    more = self.io.completions(&self.tun)?;
                 }
                 g = tun.readable(), if can_send => {
                     let mut g = g.map_err(&tun_err)?;
@@ -625,18 +523,18 @@ impl Engine {
     /// device has no more (its readiness is then cleared).
     fn read_batch(&mut self) -> io::Result<bool> {
         let r = self.read_some();
-        self.core.flush();
+        self.io.flush();
         r
     }
 
     fn read_some(&mut self) -> io::Result<bool> {
         for _ in 0..READ_BATCH {
-            let Some(slot) = self.core.free.pop() else {
+            let Some(slot) = self.io.core.take_slot() else {
                 return Ok(false);
             };
             // SAFETY: the slot was free: nothing posted uses it until it is posted by
-            // `transmit` (or given back to `free`), after this slice's last use.
-            let buf = unsafe { self.core.res.send.slot(slot) };
+            // `transmit` (or given back free), after this slice's last use.
+            let buf = unsafe { self.io.res.send.slot(slot) };
             let room = buf.len();
             let read = self.tun.recv_vectored(&mut [
                 io::IoSliceMut::new(buf),
@@ -644,17 +542,14 @@ impl Engine {
             ]);
             match read {
                 Ok(n) if n <= room => {
-                    self.core.transmit(slot, n);
-                    if self.core.outbox.len() >= READ_CHAIN {
-                        self.core.flush();
+                    self.io.transmit(slot, n);
+                    if self.io.core.unposted() >= READ_CHAIN {
+                        self.io.flush();
                     }
                 }
-                Ok(_) => {
-                    self.core.free.push(slot);
-                    Core::count(&self.core.stats.tx_oversize);
-                }
+                Ok(_) => self.io.core.give_back(slot, Some(|s| &s.tx_oversize)),
                 Err(e) => {
-                    self.core.free.push(slot);
+                    self.io.core.give_back(slot, None);
                     if e.kind() == io::ErrorKind::WouldBlock {
                         return Ok(true);
                     }
@@ -666,225 +561,62 @@ impl Engine {
     }
 }
 
-impl Core {
+impl Io {
     fn count(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn tell(&self, e: EngineEvent) {
-        if let Some(tx) = &self.events {
-            let _ = tx.send(e);
+    /// Tells the control plane what the core decided to.
+    fn tell(&mut self) {
+        while let Some(e) = self.core.next_event() {
+            if let Some(tx) = &self.events {
+                let _ = tx.send(e);
+            }
         }
     }
 
     fn command(&mut self, c: EngineCommand) {
         match c {
-            EngineCommand::AddRoute { ip, route } => {
-                let qpn = route.qp.qpn();
-                self.routes.insert(ip, route);
-                self.tell(EngineEvent::RouteAdded { ip, qpn });
-            }
+            EngineCommand::AddRoute { ip, route } => self.core.add_route(ip, route),
             EngineCommand::Fault(_) => {}
             EngineCommand::RemoveRoute { ip, qpn, close } => {
-                if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
-                    self.routes.remove(&ip);
-                }
-                self.rx_by_qp.forget(qpn);
-                self.keepalives_by_qp.forget(qpn);
+                self.core.remove_route(ip, qpn);
                 if let Some(close) = close {
                     let _ = close.send(());
                 }
             }
         }
+        self.tell();
     }
 
-    /// Forgets the flows of connections that are gone (no longer routed to their QP) and have
-    /// nothing in flight or waiting: a connection closed while idle gets no completion that
-    /// would remove its flow. Reports the receive totals when they changed.
+    /// The engine's proof of life renewed, and the core's housekeeping: its keepalives (a
+    /// message of [`KEEPALIVE_LEN`] zero bytes, which no IP packet is) posted.
     fn housekeeping(&mut self) {
         self.stats
             .alive_ns
             .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
-        let routes = &self.routes;
-        let routed = |ip: &IpAddr, qpn: u32| routes.get(ip).is_some_and(|r| r.qp.qpn() == qpn);
-        self.flows
-            .retain(|qpn, f| f.in_flight > 0 || !f.waiting.is_empty() || routed(&f.dst, *qpn));
-        let live: HashSet<u32> = routes.values().map(|r| r.qp.qpn()).collect();
-        self.rx_by_qp.retain(&live);
-        self.keepalives_by_qp.retain(&live);
-        self.stats
-            .flows
-            .store(self.flows.len() as u64, Ordering::Relaxed);
-        if let Some(totals) = self.rx_by_qp.report() {
-            self.tell(EngineEvent::Received(totals));
-        }
-        if let Some(totals) = self.keepalives_by_qp.report() {
-            self.tell(EngineEvent::Keepalives(totals));
-        }
-        self.send_keepalives();
-    }
-
-    /// A keepalive on every connection nothing was sent on since the last housekeeping: a
-    /// message of [`KEEPALIVE_LEN`] zero bytes (no IP packet is that short), which the peer's
-    /// engine counts and drops. It tells the peer that this engine runs, over the connection
-    /// itself: a one-way stream's receiver sends nothing else on it, and the handshake
-    /// stream's keepalive goes UD, which drops under load. Skipped where the queue is full or
-    /// no slot is free (the peer is then hearing from this end anyway).
-    fn send_keepalives(&mut self) {
-        let sent = std::mem::take(&mut self.sent_on);
-        let idle: Vec<(IpAddr, u32)> = self
-            .routes
-            .iter()
-            .map(|(ip, r)| (*ip, r.qp.qpn()))
-            .filter(|(_, qpn)| !sent.contains(qpn))
-            .collect();
-        for (ip, qpn) in idle {
-            let qp = &self.routes[&ip].qp;
-            let flow = self
-                .flows
-                .entry(qpn)
-                .or_insert_with(|| Flow::new(ip, qp.clone()));
-            if flow.dead || flow.in_flight >= self.cfg.max_send_wr {
-                continue;
-            }
-            let Some(slot) = self.free.pop() else {
-                return;
-            };
-            let send = &self.res.send;
+        let send = &self.res.send;
+        self.core.housekeeping(|qp, slot| {
             // SAFETY: the slot was free: nothing posted uses it until its send completes.
             unsafe { send.slot(slot)[..KEEPALIVE_LEN].fill(0) };
-            match flow
-                .qp
-                .post_send(send, slot, KEEPALIVE_LEN as u32, u64::from(slot))
-            {
-                Ok(()) => {
-                    flow.in_flight += 1;
-                    Self::count(&self.stats.keepalives_sent);
-                }
-                Err(e) => {
-                    self.free.push(slot);
-                    tracing::debug!("keepalive to {ip}: {e}");
-                }
-            }
-        }
+            qp.post_send(send, slot, KEEPALIVE_LEN as u32, u64::from(slot))
+        });
+        self.tell();
     }
 
-    /// The packet read into send slot `slot` (`len` bytes): to its connection. The slot is
-    /// posted, queued, or given back free with the reason counted.
+    /// The packet read into send slot `slot` (`len` bytes): to the core, which decides where.
     fn transmit(&mut self, slot: u32, len: usize) {
-        if let Err(why) = self.post_or_queue(slot, len) {
-            self.free.push(slot);
-            Self::count(why(&self.stats));
-        }
+        // SAFETY: the slot is this packet's: taken from the core's free slots and not posted
+        // yet; the slice is not kept past the call.
+        let msg = unsafe { &self.res.send.slot(slot)[..len] };
+        self.core.transmit(slot, msg);
     }
 
-    /// Posts the packet in `slot`, or queues it behind its connection's sends in flight; else
-    /// the counter of why it is dropped.
-    fn post_or_queue(&mut self, slot: u32, len: usize) -> Result<(), Dropped> {
-        let send = &self.res.send;
-        // SAFETY: the slot is this packet's: taken from `free` and not posted yet.
-        let msg = unsafe { &send.slot(slot)[..len] };
-        let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
-            return Err(|s| &s.tx_malformed);
-        };
-        let multicast = match dst {
-            IpAddr::V4(a) => a.is_multicast() || a.is_broadcast(),
-            IpAddr::V6(a) => a.is_multicast(),
-        };
-        if multicast {
-            return Err(|s| &s.tx_multicast);
-        }
-        let Some(route) = self.routes.get(&dst) else {
-            return Err(|s| &s.tx_no_connection);
-        };
-        if len > route.mtu as usize {
-            return Err(|s| &s.tx_oversize);
-        }
-        let qpn = route.qp.qpn();
-        let flow = self
-            .flows
-            .entry(qpn)
-            .or_insert_with(|| Flow::new(dst, route.qp.clone()));
-        if flow.dead {
-            // Reported; its route goes when the control plane hears of it.
-            return Err(|s| &s.tx_no_connection);
-        }
-        let full = flow.in_flight >= self.cfg.max_send_wr;
-        // Past the bound the next packets go UD until the queue drains; this one, already
-        // read, still waits its turn while slots are left for the other connections.
-        if full && flow.waiting.len() >= self.cfg.backlog {
-            // Slots are kept back only where another connection may need them.
-            let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
-            if keep {
-                flow.waiting.push_back((slot, len as u32));
-                Self::count(&self.stats.tx_window_waits);
-            }
-            if !std::mem::replace(&mut flow.congested, true) {
-                Self::count(&self.stats.tx_congested);
-                self.tell(EngineEvent::Congested(dst));
-            }
-            return if keep {
-                Ok(())
-            } else {
-                Err(|s| &s.tx_backpressure)
-            };
-        }
-        if full {
-            flow.waiting.push_back((slot, len as u32));
-            Self::count(&self.stats.tx_window_waits);
-            return Ok(());
-        }
-        flow.admit(&self.stats);
-        self.outbox.push((qpn, request(slot, len as u32)));
-        Ok(())
-    }
-
-    /// Posts the turn's sends: one chain per QP, in the order they were decided. A send its
-    /// QP did not take gives its slot back, counted as a send error; one it took counts as
-    /// sent.
+    /// Posts the sends the core decided: one chain per QP.
     fn flush(&mut self) {
-        if self.outbox.is_empty() {
-            return;
-        }
-        // Stable: each QP's sends keep their order.
-        self.outbox.sort_by_key(|(qpn, _)| *qpn);
-        let mut chain = std::mem::take(&mut self.chain);
-        let mut rest = &self.outbox[..];
-        while let Some(&(qpn, _)) = rest.first() {
-            let n = rest.iter().take_while(|(q, _)| *q == qpn).count();
-            chain.clear();
-            chain.extend(rest[..n].iter().map(|(_, r)| *r));
-            rest = &rest[n..];
-            // Every send in the outbox was counted in flight on its flow, so the flow is
-            // still there; a send error taken in the same turn killed it: those wait no more.
-            let Some(flow) = self.flows.get_mut(&qpn).filter(|f| !f.dead) else {
-                for r in &chain {
-                    self.free.push(r.slot);
-                    Self::count(&self.stats.tx_backpressure);
-                }
-                if let Some(f) = self.flows.get_mut(&qpn) {
-                    f.in_flight = f.in_flight.saturating_sub(chain.len() as u32);
-                }
-                continue;
-            };
-            let (posted, result) = flow.qp.post_sends(&self.res.send, &chain);
-            for r in &chain[..posted] {
-                self.stats.sent(r.len as usize);
-            }
-            if posted > 0 {
-                self.sent_on.insert(qpn);
-            }
-            if let Err(e) = result {
-                tracing::debug!("post_send to {}: {e}", flow.dst);
-                for r in &chain[posted..] {
-                    flow.in_flight -= 1;
-                    self.free.push(r.slot);
-                    Self::count(&self.stats.send_errors);
-                }
-            }
-        }
-        self.outbox.clear();
-        self.chain = chain;
+        let send = &self.res.send;
+        self.core.flush(|qp, chain| qp.post_sends(send, chain));
+        self.tell();
     }
 
     /// Takes completions, receives and sends apart, until the CQ is empty or the turn's
@@ -909,7 +641,7 @@ impl Core {
                         break;
                     }
                 } else {
-                    self.on_send_done(wc);
+                    self.core.on_send_done(wc);
                 }
             }
             if result.is_err() {
@@ -945,21 +677,21 @@ impl Core {
                 Self::count(&self.stats.rx_flushed);
             } else {
                 Self::count(&self.stats.rx_errors);
-                self.on_receive_failed(wc.qp_num, status);
+                self.core.receive_failed(wc.qp_num, status);
             }
             if on_ring {
                 return Ok(());
             }
         } else if buf.bytes().len() <= KEEPALIVE_LEN {
             Self::count(&self.stats.keepalives_received);
-            self.keepalives_by_qp.add(wc.qp_num, 1);
+            self.core.keepalive_received(wc.qp_num);
         } else if tun.send(buf.bytes()).is_err() {
             Self::count(&self.stats.rx_tun_errors);
         } else {
             self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
             let bytes = u64::from(wc.bytes);
             self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
-            self.rx_by_qp.add(wc.qp_num, bytes);
+            self.core.received(wc.qp_num, bytes);
         }
         match buf.repost() {
             Ok(()) => Ok(()),
@@ -979,94 +711,11 @@ impl Core {
             }
         }
     }
-
-    /// A receive on `qpn` failed on its own (a message longer than its buffer, a protocol
-    /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
-    /// says, and is reported the same way, once, its flow marked dead (no more sends posted).
-    fn on_receive_failed(&mut self, qpn: u32, status: u32) {
-        let flow = match self.flows.entry(qpn) {
-            Entry::Occupied(f) => f.into_mut(),
-            Entry::Vacant(v) => {
-                let Some((ip, r)) = self.routes.iter().find(|(_, r)| r.qp.qpn() == qpn) else {
-                    // Not routed (closed already): nobody to tell.
-                    return;
-                };
-                v.insert(Flow::new(*ip, r.qp.clone()))
-            }
-        };
-        if !std::mem::replace(&mut flow.dead, true) {
-            self.tell(EngineEvent::QpError { qpn, status });
-        }
-    }
-
-    /// A send completed: its slot is free, and a waiting packet of the same connection goes.
-    /// In error, the QP is dead: what waits for it is dropped and it is reported once.
-    fn on_send_done(&mut self, wc: &Completion) {
-        if wc.error.is_some() {
-            Self::count(&self.stats.send_errors);
-        }
-        self.free.push(wc.wr_id as u32);
-        let Some(flow) = self.flows.get_mut(&wc.qp_num) else {
-            return;
-        };
-        flow.in_flight = flow.in_flight.saturating_sub(1);
-        if let Some(status) = wc.error {
-            for (s, _) in flow.waiting.drain(..) {
-                self.free.push(s);
-                Self::count(&self.stats.tx_backpressure);
-            }
-            // Kept, dead, until housekeeping finds it unrouted with every send back (its QP
-            // alive till then, so its number is not another's).
-            if !std::mem::replace(&mut flow.dead, true) {
-                let qpn = wc.qp_num;
-                self.tell(EngineEvent::QpError { qpn, status });
-            }
-            return;
-        }
-        if let Some((s, len)) = flow.waiting.pop_front() {
-            // Posted at the end of the turn while its destination is still routed to this QP.
-            let routed = self
-                .routes
-                .get(&flow.dst)
-                .is_some_and(|r| r.qp.qpn() == wc.qp_num);
-            if routed {
-                flow.admit(&self.stats);
-                self.outbox.push((wc.qp_num, request(s, len)));
-            } else {
-                self.free.push(s);
-                Self::count(&self.stats.tx_no_connection);
-            }
-        }
-        if flow.congested && flow.waiting.is_empty() {
-            flow.congested = false;
-            let dst = flow.dst;
-            self.tell(EngineEvent::Drained(dst));
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn totals_are_reported_once_after_a_change_and_only_for_live_qps() {
-        let mut t = Totals::default();
-        assert_eq!(t.report(), None);
-        t.add(7, 100);
-        t.add(7, 20);
-        t.add(9, 1);
-        let mut r = t.report().unwrap();
-        r.sort_unstable();
-        assert_eq!(r, vec![(7, 120), (9, 1)]);
-        assert_eq!(t.report(), None, "reported again without a change");
-        t.retain(&HashSet::from([9]));
-        t.add(9, 1);
-        assert_eq!(t.report(), Some(vec![(9, 2)]));
-        t.forget(9);
-        t.add(9, 5);
-        assert_eq!(t.report(), Some(vec![(9, 5)]));
-    }
 
     #[test]
     fn faults_parse_by_name() {
@@ -1085,20 +734,5 @@ mod tests {
         s.alive_ns.store(5_000_000_000, Ordering::Relaxed);
         assert_eq!(s.silent_for(6_500_000_000), Duration::from_millis(1500));
         assert_eq!(s.silent_for(4_000_000_000), Duration::ZERO);
-    }
-
-    #[test]
-    fn destination_of_v4_and_v6_packets() {
-        let mut v4 = [0u8; 20];
-        v4[0] = 0x45;
-        v4[16..20].copy_from_slice(&[10, 98, 0, 2]);
-        assert_eq!(destination(&v4), Some("10.98.0.2".parse().unwrap()));
-        let mut v6 = [0u8; 40];
-        v6[0] = 0x60;
-        v6[24..40].copy_from_slice(&"fd00::2".parse::<std::net::Ipv6Addr>().unwrap().octets());
-        assert_eq!(destination(&v6), Some("fd00::2".parse().unwrap()));
-        assert_eq!(destination(&v4[..19]), None);
-        assert_eq!(destination(&[0x50; 40]), None);
-        assert_eq!(destination(&[]), None);
     }
 }

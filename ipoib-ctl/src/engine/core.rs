@@ -1,0 +1,482 @@
+//! The engine's decisions, free of I/O: which connection a packet read from the TUN device
+//! goes to; whether it is posted, waits behind its connection's window, or is dropped (and
+//! under which counter); which waiting packet a send completion releases; when a connection
+//! is congested, drained or dead; which connections get a keepalive; the send slots free; the
+//! receive totals per QP. [`super::Engine`]'s loop reads the TUN device, polls the CQ and
+//! posts, and hands each of those here; what this decides comes back as sends to post
+//! ([`EngineCore::flush`], which the loop gives the posting), keepalives to post
+//! ([`EngineCore::housekeeping`]) and events for the control plane
+//! ([`EngineCore::next_event`]).
+//!
+//! One engine, one core: the state a queue's hot loop needs is all here, none of it shared.
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque, hash_map::Entry},
+    fmt::Display,
+    net::IpAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use super::{EngineConfig, EngineEvent, EngineStats, Route};
+use crate::{
+    tun::VNET_HDR_LEN,
+    verbs::{Completion, RcQueuePair, SendRequest},
+};
+
+/// A connection's sending end, as the core knows it: by its QP number. The engine's is
+/// `Arc<RcQueuePair>`; the core only holds it and hands it back to post on.
+pub trait Link: Clone {
+    fn qpn(&self) -> u32;
+}
+
+impl Link for Arc<RcQueuePair> {
+    fn qpn(&self) -> u32 {
+        RcQueuePair::qpn(self)
+    }
+}
+
+/// Which counter a dropped packet is counted under.
+pub(crate) type Dropped = fn(&EngineStats) -> &AtomicU64;
+
+/// Per-connection send state, by QP number.
+struct Flow<Q> {
+    dst: IpAddr,
+    qp: Q,
+    in_flight: u32,
+    /// Filled send slots waiting to be posted, and their lengths.
+    waiting: VecDeque<(u32, u32)>,
+    congested: bool,
+    dead: bool,
+}
+
+impl<Q> Flow<Q> {
+    fn new(dst: IpAddr, qp: Q) -> Self {
+        Self {
+            dst,
+            qp,
+            in_flight: 0,
+            waiting: VecDeque::new(),
+            congested: false,
+            dead: false,
+        }
+    }
+
+    /// One more data send in flight, its depth counted (`tx_depth_sum`).
+    fn admit(&mut self, stats: &EngineStats) {
+        self.in_flight += 1;
+        stats
+            .tx_depth_sum
+            .fetch_add(u64::from(self.in_flight), Ordering::Relaxed);
+    }
+}
+
+/// A count per QP, reported to the control plane as totals at the housekeeping after any
+/// changed.
+#[derive(Default)]
+struct Totals {
+    by_qp: HashMap<u32, u64>,
+    changed: bool,
+}
+
+impl Totals {
+    fn add(&mut self, qpn: u32, n: u64) {
+        *self.by_qp.entry(qpn).or_default() += n;
+        self.changed = true;
+    }
+
+    fn forget(&mut self, qpn: u32) {
+        self.by_qp.remove(&qpn);
+    }
+
+    /// Keeps only the QPs in `live`.
+    fn retain(&mut self, live: &HashSet<u32>) {
+        self.by_qp.retain(|qpn, _| live.contains(qpn));
+    }
+
+    /// Every total, once after a change.
+    fn report(&mut self) -> Option<Vec<(u32, u64)>> {
+        std::mem::take(&mut self.changed)
+            .then(|| self.by_qp.iter().map(|(q, n)| (*q, *n)).collect())
+    }
+}
+
+/// A send of the first `len` bytes of send slot `slot`, named by its slot.
+fn request(slot: u32, len: u32) -> SendRequest {
+    SendRequest {
+        slot,
+        len,
+        wr_id: u64::from(slot),
+    }
+}
+
+/// The destination address of an IP packet.
+pub(crate) fn destination(pkt: &[u8]) -> Option<IpAddr> {
+    match pkt.first()? >> 4 {
+        4 => {
+            let a: [u8; 4] = pkt.get(16..20)?.try_into().ok()?;
+            Some(IpAddr::from(a))
+        }
+        6 => {
+            let a: [u8; 16] = pkt.get(24..40)?.try_into().ok()?;
+            Some(IpAddr::from(a))
+        }
+        _ => None,
+    }
+}
+
+fn count(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+pub struct EngineCore<Q> {
+    cfg: EngineConfig,
+    stats: Arc<EngineStats>,
+    /// Send slots nothing is read into, posted from or waiting in.
+    free: Vec<u32>,
+    routes: HashMap<IpAddr, Route<Q>>,
+    flows: HashMap<u32, Flow<Q>>,
+    /// Bytes received per QP, and keepalives received per QP.
+    rx_by_qp: Totals,
+    keepalives_by_qp: Totals,
+    /// QPs something was sent on since the last housekeeping (the others get a keepalive).
+    sent_on: HashSet<u32>,
+    /// Sends decided and not yet posted (QP number, request): posted by [`EngineCore::flush`],
+    /// one chain per QP.
+    outbox: Vec<(u32, SendRequest)>,
+    /// One QP's part of the outbox while it is posted (kept to reuse its memory).
+    chain: Vec<SendRequest>,
+    events: VecDeque<EngineEvent>,
+}
+
+impl<Q: Link> EngineCore<Q> {
+    /// A core for send slots `0..slots`, all free.
+    pub fn new(slots: u32, cfg: EngineConfig, stats: Arc<EngineStats>) -> Self {
+        Self {
+            cfg,
+            stats,
+            free: (0..slots).rev().collect(),
+            routes: HashMap::new(),
+            flows: HashMap::new(),
+            rx_by_qp: Totals::default(),
+            keepalives_by_qp: Totals::default(),
+            sent_on: HashSet::new(),
+            outbox: Vec::new(),
+            chain: Vec::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// The next thing to tell the control plane.
+    pub fn next_event(&mut self) -> Option<EngineEvent> {
+        self.events.pop_front()
+    }
+
+    /// A free send slot to read the next packet into (none: reading waits for a completion).
+    pub fn take_slot(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    /// Whether a packet can be read now.
+    pub fn can_read(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// Send slots free.
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    /// A taken slot given back unused: nothing was read into it, or what was read was not
+    /// sent, counted under `why` when given.
+    pub fn give_back(&mut self, slot: u32, why: Option<Dropped>) {
+        self.free.push(slot);
+        if let Some(why) = why {
+            count(why(&self.stats));
+        }
+    }
+
+    /// Sends decided and not yet posted.
+    pub fn unposted(&self) -> usize {
+        self.outbox.len()
+    }
+
+    /// From now on `ip`'s packets go over `route`.
+    pub fn add_route(&mut self, ip: IpAddr, route: Route<Q>) {
+        let qpn = route.qp.qpn();
+        self.routes.insert(ip, route);
+        self.events.push_back(EngineEvent::RouteAdded { ip, qpn });
+    }
+
+    /// `ip`'s packets no longer go to QP `qpn` (if that is still its route); its totals are
+    /// forgotten.
+    pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) {
+        if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
+            self.routes.remove(&ip);
+        }
+        self.rx_by_qp.forget(qpn);
+        self.keepalives_by_qp.forget(qpn);
+    }
+
+    /// The packet `msg` (virtio-net header and IP packet) read into send slot `slot`: to its
+    /// connection. The slot is put in the outbox, queued behind its connection's window, or
+    /// given back free with the reason counted.
+    pub fn transmit(&mut self, slot: u32, msg: &[u8]) {
+        if let Err(why) = self.post_or_queue(slot, msg) {
+            self.give_back(slot, Some(why));
+        }
+    }
+
+    /// Puts the packet in `slot` in the outbox, or queues it behind its connection's sends in
+    /// flight; else the counter of why it is dropped.
+    fn post_or_queue(&mut self, slot: u32, msg: &[u8]) -> Result<(), Dropped> {
+        let len = msg.len();
+        let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
+            return Err(|s| &s.tx_malformed);
+        };
+        let multicast = match dst {
+            IpAddr::V4(a) => a.is_multicast() || a.is_broadcast(),
+            IpAddr::V6(a) => a.is_multicast(),
+        };
+        if multicast {
+            return Err(|s| &s.tx_multicast);
+        }
+        let Some(route) = self.routes.get(&dst) else {
+            return Err(|s| &s.tx_no_connection);
+        };
+        if len > route.mtu as usize {
+            return Err(|s| &s.tx_oversize);
+        }
+        let qpn = route.qp.qpn();
+        let flow = self
+            .flows
+            .entry(qpn)
+            .or_insert_with(|| Flow::new(dst, route.qp.clone()));
+        if flow.dead {
+            // Reported; its route goes when the control plane hears of it.
+            return Err(|s| &s.tx_no_connection);
+        }
+        let full = flow.in_flight >= self.cfg.max_send_wr;
+        // Past the bound the next packets go UD until the queue drains; this one, already
+        // read, still waits its turn while slots are left for the other connections.
+        if full && flow.waiting.len() >= self.cfg.backlog {
+            // Slots are kept back only where another connection may need them.
+            let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
+            if keep {
+                flow.waiting.push_back((slot, len as u32));
+                count(&self.stats.tx_window_waits);
+            }
+            if !std::mem::replace(&mut flow.congested, true) {
+                count(&self.stats.tx_congested);
+                self.events.push_back(EngineEvent::Congested(dst));
+            }
+            return if keep {
+                Ok(())
+            } else {
+                Err(|s| &s.tx_backpressure)
+            };
+        }
+        if full {
+            flow.waiting.push_back((slot, len as u32));
+            count(&self.stats.tx_window_waits);
+            return Ok(());
+        }
+        flow.admit(&self.stats);
+        self.outbox.push((qpn, request(slot, len as u32)));
+        Ok(())
+    }
+
+    /// Posts the outbox with `post`: one chain per QP, in the order the sends were decided.
+    /// `post` returns how many of the chain it posted, from the first, and the error that
+    /// stopped it. A send not posted gives its slot back, counted as a send error; one posted
+    /// counts as sent.
+    pub fn flush<E: Display>(
+        &mut self,
+        mut post: impl FnMut(&Q, &[SendRequest]) -> (usize, Result<(), E>),
+    ) {
+        if self.outbox.is_empty() {
+            return;
+        }
+        // Stable: each QP's sends keep their order.
+        self.outbox.sort_by_key(|(qpn, _)| *qpn);
+        let mut chain = std::mem::take(&mut self.chain);
+        let mut rest = &self.outbox[..];
+        while let Some(&(qpn, _)) = rest.first() {
+            let n = rest.iter().take_while(|(q, _)| *q == qpn).count();
+            chain.clear();
+            chain.extend(rest[..n].iter().map(|(_, r)| *r));
+            rest = &rest[n..];
+            // Every send in the outbox was counted in flight on its flow, so the flow is
+            // still there; a send error taken in the same turn killed it: those wait no more.
+            let Some(flow) = self.flows.get_mut(&qpn).filter(|f| !f.dead) else {
+                for r in &chain {
+                    self.free.push(r.slot);
+                    count(&self.stats.tx_backpressure);
+                }
+                if let Some(f) = self.flows.get_mut(&qpn) {
+                    f.in_flight = f.in_flight.saturating_sub(chain.len() as u32);
+                }
+                continue;
+            };
+            let (posted, result) = post(&flow.qp, &chain);
+            for r in &chain[..posted] {
+                self.stats.sent(r.len as usize);
+            }
+            if posted > 0 {
+                self.sent_on.insert(qpn);
+            }
+            if let Err(e) = result {
+                tracing::debug!("post_send to {}: {e}", flow.dst);
+                for r in &chain[posted..] {
+                    flow.in_flight -= 1;
+                    self.free.push(r.slot);
+                    count(&self.stats.send_errors);
+                }
+            }
+        }
+        self.outbox.clear();
+        self.chain = chain;
+    }
+
+    /// A send completed: its slot is free, and a waiting packet of the same connection goes
+    /// to the outbox. In error, the QP is dead: what waits for it is dropped and it is
+    /// reported once.
+    pub fn on_send_done(&mut self, wc: &Completion) {
+        if wc.error.is_some() {
+            count(&self.stats.send_errors);
+        }
+        self.free.push(wc.wr_id as u32);
+        let Some(flow) = self.flows.get_mut(&wc.qp_num) else {
+            return;
+        };
+        flow.in_flight = flow.in_flight.saturating_sub(1);
+        if let Some(status) = wc.error {
+            for (s, _) in flow.waiting.drain(..) {
+                self.free.push(s);
+                count(&self.stats.tx_backpressure);
+            }
+            // Kept, dead, until housekeeping finds it unrouted with every send back (its QP
+            // alive till then, so its number is not another's).
+            if !std::mem::replace(&mut flow.dead, true) {
+                let qpn = wc.qp_num;
+                self.events.push_back(EngineEvent::QpError { qpn, status });
+            }
+            return;
+        }
+        if let Some((s, len)) = flow.waiting.pop_front() {
+            // Posted at the end of the turn while its destination is still routed to this QP.
+            let routed = self
+                .routes
+                .get(&flow.dst)
+                .is_some_and(|r| r.qp.qpn() == wc.qp_num);
+            if routed {
+                flow.admit(&self.stats);
+                self.outbox.push((wc.qp_num, request(s, len)));
+            } else {
+                self.free.push(s);
+                count(&self.stats.tx_no_connection);
+            }
+        }
+        if flow.congested && flow.waiting.is_empty() {
+            flow.congested = false;
+            self.events.push_back(EngineEvent::Drained(flow.dst));
+        }
+    }
+
+    /// `bytes` of a packet received on `qpn` (written into the TUN device).
+    pub fn received(&mut self, qpn: u32, bytes: u64) {
+        self.rx_by_qp.add(qpn, bytes);
+    }
+
+    /// A keepalive received on `qpn`.
+    pub fn keepalive_received(&mut self, qpn: u32) {
+        self.keepalives_by_qp.add(qpn, 1);
+    }
+
+    /// A receive on `qpn` failed on its own (a message longer than its buffer, a protocol
+    /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
+    /// says, and is reported the same way, once, its flow marked dead (no more sends posted).
+    pub fn receive_failed(&mut self, qpn: u32, status: u32) {
+        let flow = match self.flows.entry(qpn) {
+            Entry::Occupied(f) => f.into_mut(),
+            Entry::Vacant(v) => {
+                let Some((ip, r)) = self.routes.iter().find(|(_, r)| r.qp.qpn() == qpn) else {
+                    // Not routed (closed already): nobody to tell.
+                    return;
+                };
+                v.insert(Flow::new(*ip, r.qp.clone()))
+            }
+        };
+        if !std::mem::replace(&mut flow.dead, true) {
+            self.events.push_back(EngineEvent::QpError { qpn, status });
+        }
+    }
+
+    /// Forgets the flows of connections that are gone (no longer routed to their QP) and have
+    /// nothing in flight or waiting: a connection closed while idle gets no completion that
+    /// would remove its flow. Reports the receive totals when they changed. Then a keepalive,
+    /// posted with `post` (given the QP and a free slot), on every connection nothing was
+    /// sent on since the last housekeeping.
+    pub fn housekeeping<E: Display>(&mut self, post: impl FnMut(&Q, u32) -> Result<(), E>) {
+        let routes = &self.routes;
+        let routed = |ip: &IpAddr, qpn: u32| routes.get(ip).is_some_and(|r| r.qp.qpn() == qpn);
+        self.flows
+            .retain(|qpn, f| f.in_flight > 0 || !f.waiting.is_empty() || routed(&f.dst, *qpn));
+        let live: HashSet<u32> = routes.values().map(|r| r.qp.qpn()).collect();
+        self.rx_by_qp.retain(&live);
+        self.keepalives_by_qp.retain(&live);
+        self.stats
+            .flows
+            .store(self.flows.len() as u64, Ordering::Relaxed);
+        if let Some(totals) = self.rx_by_qp.report() {
+            self.events.push_back(EngineEvent::Received(totals));
+        }
+        if let Some(totals) = self.keepalives_by_qp.report() {
+            self.events.push_back(EngineEvent::Keepalives(totals));
+        }
+        self.send_keepalives(post);
+    }
+
+    /// A keepalive on every connection nothing was sent on since the last housekeeping (see
+    /// [`super::KEEPALIVE_LEN`]): it tells the peer that this engine runs, over the connection
+    /// itself: a one-way stream's receiver sends nothing else on it, and the handshake
+    /// stream's keepalive goes UD, which drops under load. Skipped where the window is full
+    /// or no slot is free (the peer is then hearing from this end anyway).
+    fn send_keepalives<E: Display>(&mut self, mut post: impl FnMut(&Q, u32) -> Result<(), E>) {
+        let sent = std::mem::take(&mut self.sent_on);
+        let idle: Vec<(IpAddr, u32)> = self
+            .routes
+            .iter()
+            .map(|(ip, r)| (*ip, r.qp.qpn()))
+            .filter(|(_, qpn)| !sent.contains(qpn))
+            .collect();
+        for (ip, qpn) in idle {
+            let qp = &self.routes[&ip].qp;
+            let flow = self
+                .flows
+                .entry(qpn)
+                .or_insert_with(|| Flow::new(ip, qp.clone()));
+            if flow.dead || flow.in_flight >= self.cfg.max_send_wr {
+                continue;
+            }
+            let Some(slot) = self.free.pop() else {
+                return;
+            };
+            match post(&flow.qp, slot) {
+                Ok(()) => {
+                    flow.in_flight += 1;
+                    count(&self.stats.keepalives_sent);
+                }
+                Err(e) => {
+                    self.free.push(slot);
+                    tracing::debug!("keepalive to {ip}: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,624 @@
+//! The engine's decisions, packet by packet: each test drives a core as the engine's loop
+//! does (a slot taken, a packet read into it, the outbox posted, completions) and checks what
+//! it posts, what it drops under which counter, what it tells the control plane, and that
+//! every send slot comes back.
+
+use std::net::Ipv6Addr;
+
+use super::*;
+
+/// A QP known by its number.
+#[derive(Clone, Debug)]
+struct Qp(u32);
+
+impl Link for Qp {
+    fn qpn(&self) -> u32 {
+        self.0
+    }
+}
+
+const SLOTS: u32 = 16;
+
+fn core_with(max_send_wr: u32, backlog: usize, spare_slots: usize) -> EngineCore<Qp> {
+    let cfg = EngineConfig {
+        max_send_wr,
+        backlog,
+        spare_slots,
+    };
+    EngineCore::new(SLOTS, cfg, Arc::new(EngineStats::default()))
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// A TUN read of `len` bytes: the virtio-net header, then an IP packet to `dst`.
+fn packet(dst: IpAddr, len: usize) -> Vec<u8> {
+    let mut m = vec![0u8; len.max(VNET_HDR_LEN + 40)];
+    let p = &mut m[VNET_HDR_LEN..];
+    match dst {
+        IpAddr::V4(a) => {
+            p[0] = 0x45;
+            p[16..20].copy_from_slice(&a.octets());
+        }
+        IpAddr::V6(a) => {
+            p[0] = 0x60;
+            p[24..40].copy_from_slice(&a.octets());
+        }
+    }
+    m.truncate(len);
+    m
+}
+
+fn route(c: &mut EngineCore<Qp>, dst: &str, qpn: u32, mtu: u32) {
+    c.add_route(ip(dst), Route { qp: Qp(qpn), mtu });
+}
+
+/// Reads `msg` into a free slot, as the loop does; the slot.
+fn read(c: &mut EngineCore<Qp>, msg: &[u8]) -> u32 {
+    let slot = c.take_slot().expect("a free slot");
+    c.transmit(slot, msg);
+    slot
+}
+
+fn read_to(c: &mut EngineCore<Qp>, dst: &str, len: usize) -> u32 {
+    read(c, &packet(ip(dst), len))
+}
+
+/// Posts the outbox, every chain taken whole: (QP, slot, length) in posting order.
+fn post(c: &mut EngineCore<Qp>) -> Vec<(u32, u32, u32)> {
+    let mut posted = Vec::new();
+    c.flush(|qp, chain| {
+        posted.extend(chain.iter().map(|r| {
+            assert_eq!(r.wr_id, u64::from(r.slot), "a send is named by its slot");
+            (qp.0, r.slot, r.len)
+        }));
+        (chain.len(), Ok::<(), String>(()))
+    });
+    posted
+}
+
+fn done(c: &mut EngineCore<Qp>, qpn: u32, slot: u32, error: Option<u32>) {
+    c.on_send_done(&Completion {
+        wr_id: u64::from(slot),
+        qp_num: qpn,
+        bytes: 0,
+        recv: false,
+        error,
+    });
+}
+
+fn events(c: &mut EngineCore<Qp>) -> Vec<EngineEvent> {
+    std::iter::from_fn(|| c.next_event()).collect()
+}
+
+fn stat(c: &EngineCore<Qp>, name: &str) -> u64 {
+    c.stats
+        .snapshot()
+        .into_iter()
+        .find(|(k, _)| *k == name)
+        .unwrap_or_else(|| panic!("no counter {name}"))
+        .1
+}
+
+/// Every counter that is not 0.
+fn nonzero(c: &EngineCore<Qp>) -> Vec<(&'static str, u64)> {
+    c.stats
+        .snapshot()
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+        .collect()
+}
+
+/// Housekeeping with every keepalive taken: (QP, slot) of each.
+fn housekeeping(c: &mut EngineCore<Qp>) -> Vec<(u32, u32)> {
+    let mut sent = Vec::new();
+    c.housekeeping(|qp, slot| {
+        sent.push((qp.0, slot));
+        Ok::<(), String>(())
+    });
+    sent
+}
+
+#[test]
+fn a_routed_packet_is_posted_on_its_connection_and_counted_sent_once_posted() {
+    let mut c = core_with(8, 4, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::RouteAdded {
+            ip: ip("10.0.0.2"),
+            qpn: 7
+        }]
+    );
+    let a = read_to(&mut c, "10.0.0.2", 100);
+    let b = read_to(&mut c, "10.0.0.2", 300);
+    assert_eq!(c.unposted(), 2);
+    assert_eq!(stat(&c, "tx_packets"), 0, "counted sent only once posted");
+    assert_eq!(post(&mut c), [(7, a, 100), (7, b, 300)]);
+    assert_eq!(c.unposted(), 0);
+    assert_eq!(
+        nonzero(&c),
+        [
+            ("tx_packets", 2),
+            ("tx_bytes", 400),
+            ("tx_largest", 300),
+            ("tx_depth_sum", 1 + 2),
+        ]
+    );
+    assert_eq!(c.free_slots(), SLOTS as usize - 2);
+    done(&mut c, 7, a, None);
+    done(&mut c, 7, b, None);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert!(post(&mut c).is_empty());
+    assert_eq!(events(&mut c), []);
+}
+
+#[test]
+fn an_ipv6_packet_goes_by_its_destination_too() {
+    let mut c = core_with(8, 4, 2);
+    route(&mut c, "fd00::2", 7, 65520);
+    route(&mut c, "fd00::3", 8, 65520);
+    let s = read_to(&mut c, "fd00::3", 80);
+    assert_eq!(post(&mut c), [(8, s, 80)]);
+}
+
+#[test]
+fn what_cannot_go_is_dropped_under_its_own_counter_and_its_slot_freed() {
+    let mut c = core_with(8, 4, 2);
+    route(&mut c, "10.0.0.2", 7, 200);
+    // Not IP: too short for a destination, or of no IP version.
+    read(&mut c, &packet(ip("10.0.0.2"), VNET_HDR_LEN + 19));
+    let mut v5 = packet(ip("10.0.0.2"), 100);
+    v5[VNET_HDR_LEN] = 0x55;
+    read(&mut c, &v5);
+    read(&mut c, &[]);
+    for group in ["224.0.0.1", "255.255.255.255", "ff02::1"] {
+        read_to(&mut c, group, 100);
+    }
+    read_to(&mut c, "10.0.0.9", 100);
+    read_to(&mut c, "10.0.0.2", 201);
+    let fits = read_to(&mut c, "10.0.0.2", 200);
+    assert_eq!(
+        post(&mut c),
+        [(7, fits, 200)],
+        "only what fits its route goes"
+    );
+    assert_eq!(
+        nonzero(&c),
+        [
+            ("tx_packets", 1),
+            ("tx_bytes", 200),
+            ("tx_largest", 200),
+            ("tx_no_connection", 1),
+            ("tx_multicast", 3),
+            ("tx_oversize", 1),
+            ("tx_depth_sum", 1),
+            ("tx_malformed", 3),
+        ]
+    );
+    assert_eq!(
+        c.free_slots(),
+        SLOTS as usize - 1,
+        "every dropped slot is free again"
+    );
+}
+
+#[test]
+fn a_slot_given_back_is_counted_only_when_a_reason_is_given() {
+    let mut c = core_with(8, 4, 2);
+    let s = c.take_slot().unwrap();
+    c.give_back(s, None);
+    let s = c.take_slot().unwrap();
+    c.give_back(s, Some(|s| &s.tx_oversize));
+    assert_eq!(nonzero(&c), [("tx_oversize", 1)]);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
+#[test]
+fn reading_stops_when_no_slot_is_free() {
+    let mut c = core_with(SLOTS, 4, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let slots: Vec<u32> = (0..SLOTS)
+        .map(|_| read_to(&mut c, "10.0.0.2", 64))
+        .collect();
+    assert!(!c.can_read());
+    assert_eq!(c.take_slot(), None);
+    let mut distinct = slots.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), slots.len(), "no slot handed out twice");
+    assert_eq!(post(&mut c).len(), SLOTS as usize);
+    done(&mut c, 7, slots[3], None);
+    assert!(c.can_read());
+    assert_eq!(c.take_slot(), Some(slots[3]));
+}
+
+#[test]
+fn a_full_window_queues_in_order_and_each_completion_releases_the_next() {
+    let mut c = core_with(2, 10, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..5)
+        .map(|i| read_to(&mut c, "10.0.0.2", 100 + i))
+        .collect();
+    assert_eq!(post(&mut c), [(7, s[0], 100), (7, s[1], 101)]);
+    assert_eq!(stat(&c, "tx_window_waits"), 3);
+    done(&mut c, 7, s[1], None);
+    assert_eq!(
+        post(&mut c),
+        [(7, s[2], 102)],
+        "the first waiting goes first"
+    );
+    done(&mut c, 7, s[0], None);
+    done(&mut c, 7, s[2], None);
+    assert_eq!(post(&mut c), [(7, s[3], 103), (7, s[4], 104)]);
+    // Depths: 1, 2; then each completion lets one in beside the other in flight: 2.
+    assert_eq!(stat(&c, "tx_depth_sum"), 1 + 2 + 2 + 2 + 2);
+    done(&mut c, 7, s[3], None);
+    done(&mut c, 7, s[4], None);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(stat(&c, "tx_packets"), 5);
+    assert_eq!(
+        events(&mut c).len(),
+        1,
+        "only the route's: no congestion below the backlog"
+    );
+}
+
+#[test]
+fn past_the_backlog_the_peer_is_congested_once_and_drained_when_its_queue_empties() {
+    let mut c = core_with(1, 2, 4);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    events(&mut c);
+    let s: Vec<u32> = (0..5).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    assert_eq!(post(&mut c), [(7, s[0], 100)]);
+    // The only connection: what it read past the backlog still waits.
+    assert_eq!(events(&mut c), [EngineEvent::Congested(ip("10.0.0.2"))]);
+    assert_eq!(stat(&c, "tx_congested"), 1);
+    assert_eq!(stat(&c, "tx_window_waits"), 4);
+    assert_eq!(stat(&c, "tx_backpressure"), 0);
+    for i in 0..4 {
+        done(&mut c, 7, s[i], None);
+        assert_eq!(post(&mut c), [(7, s[i + 1], 100)]);
+        let drained = i == 3;
+        assert_eq!(
+            events(&mut c),
+            if drained {
+                vec![EngineEvent::Drained(ip("10.0.0.2"))]
+            } else {
+                vec![]
+            },
+            "after completion {i}"
+        );
+    }
+    done(&mut c, 7, s[4], None);
+    assert_eq!(events(&mut c), []);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    // Congested again after draining: said again.
+    let s: Vec<u32> = (0..4).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    assert_eq!(events(&mut c), [EngineEvent::Congested(ip("10.0.0.2"))]);
+    assert_eq!(stat(&c, "tx_congested"), 2);
+    assert_eq!(s.len(), 4);
+}
+
+#[test]
+fn a_congested_connection_leaves_spare_slots_to_the_others() {
+    // 16 slots, a window of 1, a backlog of 1, 12 kept spare.
+    let mut c = core_with(1, 1, 12);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    events(&mut c);
+    let first = read_to(&mut c, "10.0.0.2", 100);
+    read_to(&mut c, "10.0.0.2", 100); // waits in the backlog
+    // Past the backlog: kept while 12 slots stay free after it (16 - 4 = 12).
+    read_to(&mut c, "10.0.0.2", 100);
+    read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(stat(&c, "tx_backpressure"), 0);
+    assert_eq!(c.free_slots(), 12);
+    // The next would leave 11: dropped, its slot free again.
+    read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(stat(&c, "tx_backpressure"), 1);
+    assert_eq!(c.free_slots(), 12);
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::Congested(ip("10.0.0.2"))],
+        "said once"
+    );
+    let other = read_to(&mut c, "10.0.0.3", 100);
+    assert_eq!(post(&mut c), [(7, first, 100), (8, other, 100)]);
+    assert_eq!(stat(&c, "tx_congested"), 1);
+}
+
+#[test]
+fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    events(&mut c);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    assert_eq!(post(&mut c), [(7, s[0], 100)]);
+    done(&mut c, 7, s[0], Some(12));
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::QpError { qpn: 7, status: 12 }]
+    );
+    assert_eq!(stat(&c, "send_errors"), 1);
+    assert_eq!(stat(&c, "tx_backpressure"), 2, "both waiting dropped");
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert!(post(&mut c).is_empty(), "nothing released by a failed send");
+    // Dead until the control plane takes its route: what is read for it is dropped.
+    read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+    assert!(post(&mut c).is_empty());
+    // A second failure (a flushed keepalive, say) is counted, not said again.
+    let k = c.take_slot().unwrap();
+    done(&mut c, 7, k, Some(5));
+    assert_eq!(stat(&c, "send_errors"), 2);
+    assert_eq!(events(&mut c), []);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
+#[test]
+fn a_chain_the_qp_takes_in_part_gives_back_the_rest_as_send_errors() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    let mut offered = Vec::new();
+    c.flush(|qp, chain| {
+        offered.push((qp.0, chain.len()));
+        (1, Err("queue full"))
+    });
+    assert_eq!(offered, [(7, 3)], "one chain for the QP");
+    assert_eq!(stat(&c, "tx_packets"), 1);
+    assert_eq!(stat(&c, "send_errors"), 2);
+    assert_eq!(c.free_slots(), SLOTS as usize - 1);
+    // Only the one posted is still in flight: the next send goes at depth 2.
+    let next = read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(post(&mut c), [(7, next, 100)]);
+    assert_eq!(stat(&c, "tx_depth_sum"), 1 + 2 + 3 + 2);
+    done(&mut c, 7, s[0], None);
+    done(&mut c, 7, next, None);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
+#[test]
+fn a_qp_that_takes_nothing_sends_nothing_on_it_until_next_housekeeping() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    read_to(&mut c, "10.0.0.2", 100);
+    c.flush(|_, _| (0, Err("refused")));
+    assert_eq!(stat(&c, "send_errors"), 1);
+    assert_eq!(stat(&c, "tx_packets"), 0);
+    // Not sent on: it gets a keepalive.
+    assert_eq!(housekeeping(&mut c).len(), 1);
+}
+
+#[test]
+fn sends_decided_for_a_connection_that_died_in_the_same_turn_are_not_posted() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    let first = read_to(&mut c, "10.0.0.2", 100);
+    post(&mut c);
+    read_to(&mut c, "10.0.0.2", 100);
+    let other = read_to(&mut c, "10.0.0.3", 100);
+    done(&mut c, 7, first, Some(12));
+    assert_eq!(
+        post(&mut c),
+        [(8, other, 100)],
+        "only the live connection's"
+    );
+    assert_eq!(stat(&c, "tx_backpressure"), 1);
+    done(&mut c, 8, other, None);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
+#[test]
+fn a_waiting_packet_whose_route_moved_is_dropped_not_sent_on_the_old_connection() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..2).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    c.remove_route(ip("10.0.0.2"), 7);
+    route(&mut c, "10.0.0.2", 8, 65520);
+    done(&mut c, 7, s[0], None);
+    assert!(post(&mut c).is_empty());
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    // The new route carries what comes next.
+    let n = read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(post(&mut c), [(8, n, 100)]);
+}
+
+#[test]
+fn a_route_is_removed_only_from_its_own_qp() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    c.remove_route(ip("10.0.0.2"), 8);
+    let s = read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(
+        post(&mut c),
+        [(7, s, 100)],
+        "a stale removal leaves the route"
+    );
+    c.remove_route(ip("10.0.0.2"), 7);
+    read_to(&mut c, "10.0.0.2", 100);
+    assert!(post(&mut c).is_empty());
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+}
+
+#[test]
+fn housekeeping_reports_each_total_once_after_a_change_and_only_for_routed_qps() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    events(&mut c);
+    c.received(7, 100);
+    c.received(7, 20);
+    c.received(8, 1);
+    c.received(9, 1000); // not routed: never reported
+    c.keepalive_received(8);
+    housekeeping(&mut c);
+    let mut ev = events(&mut c);
+    for e in &mut ev {
+        if let EngineEvent::Received(t) | EngineEvent::Keepalives(t) = e {
+            t.sort_unstable();
+        }
+    }
+    assert_eq!(
+        ev,
+        [
+            EngineEvent::Received(vec![(7, 120), (8, 1)]),
+            EngineEvent::Keepalives(vec![(8, 1)]),
+        ]
+    );
+    housekeeping(&mut c);
+    assert_eq!(events(&mut c), [], "not again without a change");
+    c.received(8, 1);
+    housekeeping(&mut c);
+    let mut ev = events(&mut c);
+    if let [EngineEvent::Received(t)] = &mut ev[..] {
+        t.sort_unstable();
+    }
+    assert_eq!(ev, [EngineEvent::Received(vec![(7, 120), (8, 2)])]);
+    // A removed route's totals start again from nothing.
+    c.remove_route(ip("10.0.0.3"), 8);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    events(&mut c);
+    c.received(8, 5);
+    c.keepalive_received(8);
+    housekeeping(&mut c);
+    let mut ev = events(&mut c);
+    for e in &mut ev {
+        if let EngineEvent::Received(t) | EngineEvent::Keepalives(t) = e {
+            t.sort_unstable();
+        }
+    }
+    assert_eq!(
+        ev,
+        [
+            EngineEvent::Received(vec![(7, 120), (8, 5)]),
+            EngineEvent::Keepalives(vec![(8, 1)]),
+        ]
+    );
+}
+
+#[test]
+fn housekeeping_forgets_a_gone_connections_flow_once_its_sends_are_back() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    let a = read_to(&mut c, "10.0.0.2", 100);
+    read_to(&mut c, "10.0.0.3", 100);
+    post(&mut c);
+    housekeeping(&mut c);
+    assert_eq!(stat(&c, "flows"), 2);
+    c.remove_route(ip("10.0.0.2"), 7);
+    housekeeping(&mut c);
+    assert_eq!(stat(&c, "flows"), 2, "kept while its send is in flight");
+    done(&mut c, 7, a, None);
+    housekeeping(&mut c);
+    assert_eq!(stat(&c, "flows"), 1);
+}
+
+#[test]
+fn keepalives_go_to_idle_live_connections_with_room() {
+    let mut c = core_with(1, 8, 2);
+    for (n, qpn) in [(2, 7), (3, 8), (4, 9), (5, 10)] {
+        route(&mut c, &format!("10.0.0.{n}"), qpn, 65520);
+    }
+    // 8 and 10 send; 7 and 9 are idle and get a keepalive, which is not a packet sent.
+    let on8 = read_to(&mut c, "10.0.0.3", 100);
+    read_to(&mut c, "10.0.0.5", 100);
+    post(&mut c);
+    let mut first = housekeeping(&mut c);
+    first.sort_unstable();
+    assert_eq!(first.iter().map(|k| k.0).collect::<Vec<_>>(), [7, 9]);
+    assert_eq!(stat(&c, "keepalives_sent"), 2);
+    assert_eq!(stat(&c, "tx_packets"), 2);
+    for (qpn, slot) in first {
+        done(&mut c, qpn, slot, None);
+    }
+    done(&mut c, 8, on8, None);
+    // 9 dies; 8 sends again; 10's window is still full.
+    c.receive_failed(9, 10);
+    let on8 = read_to(&mut c, "10.0.0.3", 100);
+    post(&mut c);
+    assert_eq!(
+        housekeeping(&mut c).iter().map(|k| k.0).collect::<Vec<_>>(),
+        [7]
+    );
+    // Its window full with the keepalive, 7 gets none next time; 8 does (idle now, its send
+    // back).
+    done(&mut c, 8, on8, None);
+    assert_eq!(
+        housekeeping(&mut c).iter().map(|k| k.0).collect::<Vec<_>>(),
+        [8]
+    );
+    assert_eq!(stat(&c, "keepalives_sent"), 4);
+}
+
+#[test]
+fn a_keepalive_the_qp_refuses_gives_its_slot_back_and_none_goes_without_a_slot() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    c.housekeeping(|_, _| Err("refused"));
+    assert_eq!(stat(&c, "keepalives_sent"), 0);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    let taken: Vec<u32> = std::iter::from_fn(|| c.take_slot()).collect();
+    assert_eq!(taken.len(), SLOTS as usize);
+    assert_eq!(housekeeping(&mut c), []);
+    // The refused one was not in flight: with a slot free it goes.
+    c.give_back(taken[0], None);
+    assert_eq!(housekeeping(&mut c), [(7, taken[0])]);
+}
+
+#[test]
+fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    events(&mut c);
+    c.receive_failed(9, 10);
+    assert_eq!(events(&mut c), []);
+    c.receive_failed(7, 10);
+    c.receive_failed(7, 10);
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::QpError { qpn: 7, status: 10 }]
+    );
+    read_to(&mut c, "10.0.0.2", 100);
+    assert!(post(&mut c).is_empty());
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+    // A flow that already sent dies the same way.
+    route(&mut c, "10.0.0.3", 8, 65520);
+    let s = read_to(&mut c, "10.0.0.3", 100);
+    post(&mut c);
+    c.receive_failed(8, 4);
+    assert_eq!(
+        events(&mut c),
+        [
+            EngineEvent::RouteAdded {
+                ip: ip("10.0.0.3"),
+                qpn: 8
+            },
+            EngineEvent::QpError { qpn: 8, status: 4 }
+        ]
+    );
+    done(&mut c, 8, s, None);
+    assert!(post(&mut c).is_empty());
+}
+
+#[test]
+fn destination_of_v4_and_v6_packets() {
+    let mut v4 = [0u8; 20];
+    v4[0] = 0x45;
+    v4[16..20].copy_from_slice(&[10, 98, 0, 2]);
+    assert_eq!(destination(&v4), Some(ip("10.98.0.2")));
+    let mut v6 = [0u8; 40];
+    v6[0] = 0x60;
+    v6[24..40].copy_from_slice(&"fd00::2".parse::<Ipv6Addr>().unwrap().octets());
+    assert_eq!(destination(&v6), Some(ip("fd00::2")));
+    assert_eq!(destination(&v4[..19]), None);
+    assert_eq!(destination(&v6[..39]), None);
+    assert_eq!(destination(&[0x50; 40]), None);
+    assert_eq!(destination(&[]), None);
+}
