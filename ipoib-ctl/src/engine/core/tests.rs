@@ -330,6 +330,28 @@ fn a_congested_connection_leaves_spare_slots_to_the_others() {
 }
 
 #[test]
+fn the_only_connection_keeps_every_slot_it_reads_into_past_the_backlog() {
+    // Spare slots are kept for other connections: with none, none are kept back.
+    let mut c = core_with(1, 1, SLOTS as usize);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    for _ in 0..SLOTS {
+        read_to(&mut c, "10.0.0.2", 100);
+    }
+    assert_eq!(stat(&c, "tx_backpressure"), 0);
+    assert_eq!(stat(&c, "tx_window_waits"), u64::from(SLOTS) - 1);
+    // With three, the same reads leave the spare slots to the other two.
+    let mut c = core_with(1, 1, 12);
+    for (n, qpn) in [(2, 7), (3, 8), (4, 9)] {
+        route(&mut c, &format!("10.0.0.{n}"), qpn, 65520);
+    }
+    for _ in 0..6 {
+        read_to(&mut c, "10.0.0.2", 100);
+    }
+    assert_eq!(stat(&c, "tx_backpressure"), 2);
+    assert_eq!(c.free_slots(), 12);
+}
+
+#[test]
 fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
     let mut c = core_with(1, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
