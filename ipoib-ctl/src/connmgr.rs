@@ -919,8 +919,11 @@ impl Manager {
         let now = monotonic_ns();
         match e {
             EngineEvent::QpError { qpn, status } => {
-                self.core
-                    .handle_qp_error(now, qpn, &format!("completion status {status}"));
+                let why = match status {
+                    Some(status) => format!("completion status {status}"),
+                    None => "the QP refused a send".to_string(),
+                };
+                self.core.handle_qp_error(now, qpn, &why);
             }
             EngineEvent::Congested(ip) => self.core.handle_congested(ip),
             EngineEvent::Drained(ip) => self.core.handle_drained(ip),

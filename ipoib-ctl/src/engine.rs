@@ -21,10 +21,11 @@
 //! read still goes over the connection, in order, as long as `spare_slots` send slots stay
 //! free for the other connections, if any (past that a packet is dropped and counted): a
 //! switch to UD loses nothing. [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause
-//! while no send slot is free. A send that completes in error, or a receive (not flushed),
-//! reports [`EngineEvent::QpError`] once per QP: its flow stays, dead (what is read for it
-//! is dropped and counted as without a connection, no keepalive goes), until the control
-//! plane takes the route away.
+//! while no send slot is free. A send that completes in error, a receive that does (not
+//! flushed), or a send the QP refuses to take reports [`EngineEvent::QpError`] once per QP:
+//! what waits for it is dropped at once, and its flow stays, dead (what is read for it is
+//! dropped and counted as without a connection, no keepalive goes), until the control plane
+//! takes the route away.
 //!
 //! One turn of the loop does one thing: a batch of TUN reads (each packet posted as it is
 //! read), or completions until the CQ is empty or 20 ms are spent (the sends they
@@ -325,9 +326,10 @@ impl AsRawFd for RawFdRef {
 /// What the engine tells the control plane.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EngineEvent {
-    /// A send on this QP completed in error, or a receive did (not flushed): the connection
-    /// is dead (said once per QP).
-    QpError { qpn: u32, status: u32 },
+    /// A send on this QP completed in error, or a receive did (not flushed), with the
+    /// completion's status; or the QP refused a send (`None`): the connection is dead (said
+    /// once per QP).
+    QpError { qpn: u32, status: Option<u32> },
     /// The connection's queue overflowed: its traffic should go UD for now.
     Congested(IpAddr),
     /// Its queue drained after [`EngineEvent::Congested`]: CM again.

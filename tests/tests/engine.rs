@@ -313,7 +313,7 @@ fn a_receive_that_fails_is_the_qps_failure_and_the_engine_runs_on() {
         assert_eq!(errors.len(), 1, "QP errors told: {seen:?}");
         // Told by the receive, with its cause: not a flush of a send that came after.
         assert!(
-            matches!(errors[0], EngineEvent::QpError { qpn: q, status } if *q == qpn && *status != WC_FLUSHED),
+            matches!(errors[0], EngineEvent::QpError { qpn: q, status: Some(s) } if *q == qpn && *s != WC_FLUSHED),
             "not QP {qpn}'s own failure: {errors:?}"
         );
         assert_eq!((here["rx_errors"], here["rx_flushed"]), (1, 0), "{here:?}");

@@ -64,6 +64,21 @@ impl<Q> Flow<Q> {
         }
     }
 
+    /// Drops what waits, its slots given back to `free` at once, each counted under `why`.
+    fn drop_waiting(&mut self, free: &mut Vec<u32>, stats: &EngineStats, why: Dropped) {
+        for (s, _) in self.waiting.drain(..) {
+            free.push(s);
+            count(why(stats));
+        }
+    }
+
+    /// The connection failed: nothing more is posted on it, and what waits for it is
+    /// dropped (`tx_backpressure`). True the first time, when it is to be reported.
+    fn fail(&mut self, free: &mut Vec<u32>, stats: &EngineStats) -> bool {
+        self.drop_waiting(free, stats, |s| &s.tx_backpressure);
+        !std::mem::replace(&mut self.dead, true)
+    }
+
     /// One more data send in flight, its depth counted (`tx_depth_sum`).
     fn admit(&mut self, stats: &EngineStats) {
         self.in_flight += 1;
@@ -210,11 +225,16 @@ impl<Q: Link> EngineCore<Q> {
         self.events.push_back(EngineEvent::RouteAdded { ip, qpn });
     }
 
-    /// `ip`'s packets no longer go to QP `qpn` (if that is still its route); its totals are
+    /// `ip`'s packets no longer go to QP `qpn` (if that is still its route); what waits for
+    /// the QP will never go on it and is dropped (`tx_no_connection`); its totals are
     /// forgotten.
     pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) {
         if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
             self.routes.remove(&ip);
+        }
+        if let Some(flow) = self.flows.get_mut(&qpn) {
+            flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
+            flow.congested = false;
         }
         self.rx_by_qp.forget(qpn);
         self.keepalives_by_qp.forget(qpn);
@@ -334,6 +354,13 @@ impl<Q: Link> EngineCore<Q> {
                     self.free.push(r.slot);
                     count(&self.stats.send_errors);
                 }
+                // The window keeps the send queue from filling, so a QP that refuses a send is
+                // broken. Posting on would black-hole the peer's packets, and what waits here
+                // could wait for completions that never come: it fails as on a send in error.
+                if flow.fail(&mut self.free, &self.stats) {
+                    self.events
+                        .push_back(EngineEvent::QpError { qpn, status: None });
+                }
             }
         }
         self.outbox.clear();
@@ -353,31 +380,27 @@ impl<Q: Link> EngineCore<Q> {
         };
         flow.in_flight = flow.in_flight.saturating_sub(1);
         if let Some(status) = wc.error {
-            for (s, _) in flow.waiting.drain(..) {
-                self.free.push(s);
-                count(&self.stats.tx_backpressure);
-            }
             // Kept, dead, until housekeeping finds it unrouted with every send back (its QP
             // alive till then, so its number is not another's).
-            if !std::mem::replace(&mut flow.dead, true) {
+            if flow.fail(&mut self.free, &self.stats) {
                 let qpn = wc.qp_num;
+                let status = Some(status);
                 self.events.push_back(EngineEvent::QpError { qpn, status });
             }
             return;
         }
-        if let Some((s, len)) = flow.waiting.pop_front() {
-            // Posted at the end of the turn while its destination is still routed to this QP.
-            let routed = self
-                .routes
-                .get(&flow.dst)
-                .is_some_and(|r| r.qp.qpn() == wc.qp_num);
-            if routed {
-                flow.admit(&self.stats);
-                self.outbox.push((wc.qp_num, request(s, len)));
-            } else {
-                self.free.push(s);
-                count(&self.stats.tx_no_connection);
-            }
+        // The next waiting is posted at the end of the turn while its destination is still
+        // routed to this QP; else none of them will ever go on it (the route moved without
+        // a removal, which would have dropped them).
+        let routed = self
+            .routes
+            .get(&flow.dst)
+            .is_some_and(|r| r.qp.qpn() == wc.qp_num);
+        if !routed {
+            flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
+        } else if let Some((s, len)) = flow.waiting.pop_front() {
+            flow.admit(&self.stats);
+            self.outbox.push((wc.qp_num, request(s, len)));
         }
         if flow.congested && flow.waiting.is_empty() {
             flow.congested = false;
@@ -397,7 +420,8 @@ impl<Q: Link> EngineCore<Q> {
 
     /// A receive on `qpn` failed on its own (a message longer than its buffer, a protocol
     /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
-    /// says, and is reported the same way, once, its flow marked dead (no more sends posted).
+    /// says, and is reported the same way, once, its flow marked dead (no more sends posted,
+    /// what waits dropped).
     pub fn receive_failed(&mut self, qpn: u32, status: u32) {
         let flow = match self.flows.entry(qpn) {
             Entry::Occupied(f) => f.into_mut(),
@@ -409,7 +433,8 @@ impl<Q: Link> EngineCore<Q> {
                 v.insert(Flow::new(*ip, r.qp.clone()))
             }
         };
-        if !std::mem::replace(&mut flow.dead, true) {
+        if flow.fail(&mut self.free, &self.stats) {
+            let status = Some(status);
             self.events.push_back(EngineEvent::QpError { qpn, status });
         }
     }
@@ -470,8 +495,13 @@ impl<Q: Link> EngineCore<Q> {
                     count(&self.stats.keepalives_sent);
                 }
                 Err(e) => {
+                    // Refused: broken, as a data send refused says.
                     self.free.push(slot);
                     tracing::debug!("keepalive to {ip}: {e}");
+                    if flow.fail(&mut self.free, &self.stats) {
+                        self.events
+                            .push_back(EngineEvent::QpError { qpn, status: None });
+                    }
                 }
             }
         }

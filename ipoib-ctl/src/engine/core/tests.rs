@@ -361,7 +361,10 @@ fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
     done(&mut c, 7, s[0], Some(12));
     assert_eq!(
         events(&mut c),
-        [EngineEvent::QpError { qpn: 7, status: 12 }]
+        [EngineEvent::QpError {
+            qpn: 7,
+            status: Some(12)
+        }]
     );
     assert_eq!(stat(&c, "send_errors"), 1);
     assert_eq!(stat(&c, "tx_backpressure"), 2, "both waiting dropped");
@@ -380,38 +383,76 @@ fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
 }
 
 #[test]
-fn a_chain_the_qp_takes_in_part_gives_back_the_rest_as_send_errors() {
-    let mut c = core_with(8, 8, 2);
+fn a_qp_that_refuses_part_of_a_chain_is_dead_and_what_waits_for_it_dropped() {
+    let mut c = core_with(2, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
-    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    events(&mut c);
+    let s: Vec<u32> = (0..4).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
     let mut offered = Vec::new();
     c.flush(|qp, chain| {
         offered.push((qp.0, chain.len()));
-        (1, Err("queue full"))
+        (1, Err("refused"))
     });
-    assert_eq!(offered, [(7, 3)], "one chain for the QP");
+    assert_eq!(
+        offered,
+        [(7, 2)],
+        "one chain for the QP, its window's worth"
+    );
     assert_eq!(stat(&c, "tx_packets"), 1);
-    assert_eq!(stat(&c, "send_errors"), 2);
-    assert_eq!(c.free_slots(), SLOTS as usize - 1);
-    // Only the one posted is still in flight: the next send goes at depth 2.
-    let next = read_to(&mut c, "10.0.0.2", 100);
-    assert_eq!(post(&mut c), [(7, next, 100)]);
-    assert_eq!(stat(&c, "tx_depth_sum"), 1 + 2 + 3 + 2);
-    done(&mut c, 7, s[0], None);
-    done(&mut c, 7, next, None);
+    assert_eq!(stat(&c, "send_errors"), 1);
+    assert_eq!(
+        stat(&c, "tx_backpressure"),
+        2,
+        "the two waiting dropped at once"
+    );
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::QpError {
+            qpn: 7,
+            status: None
+        }]
+    );
+    assert_eq!(
+        c.free_slots(),
+        SLOTS as usize - 1,
+        "only the one posted is out"
+    );
+    // Dead: nothing more is tried on it, no keepalive either.
+    read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+    assert!(post(&mut c).is_empty());
+    assert_eq!(housekeeping(&mut c), []);
+    done(&mut c, 7, s[0], Some(5));
+    assert_eq!(events(&mut c), [], "said once");
     assert_eq!(c.free_slots(), SLOTS as usize);
 }
 
 #[test]
-fn a_qp_that_takes_nothing_sends_nothing_on_it_until_next_housekeeping() {
+fn a_qp_that_takes_nothing_is_dead_too() {
     let mut c = core_with(8, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    events(&mut c);
     read_to(&mut c, "10.0.0.2", 100);
-    c.flush(|_, _| (0, Err("refused")));
+    let other = read_to(&mut c, "10.0.0.3", 100);
+    let mut posted = Vec::new();
+    c.flush(|qp, chain| {
+        if qp.0 == 7 {
+            return (0, Err("refused"));
+        }
+        posted.extend(chain.iter().map(|r| r.slot));
+        (chain.len(), Ok(()))
+    });
+    assert_eq!(posted, [other], "the other connection's send still goes");
     assert_eq!(stat(&c, "send_errors"), 1);
-    assert_eq!(stat(&c, "tx_packets"), 0);
-    // Not sent on: it gets a keepalive.
-    assert_eq!(housekeeping(&mut c).len(), 1);
+    assert_eq!(stat(&c, "tx_packets"), 1);
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::QpError {
+            qpn: 7,
+            status: None
+        }]
+    );
 }
 
 #[test]
@@ -435,20 +476,37 @@ fn sends_decided_for_a_connection_that_died_in_the_same_turn_are_not_posted() {
 }
 
 #[test]
-fn a_waiting_packet_whose_route_moved_is_dropped_not_sent_on_the_old_connection() {
+fn what_waits_for_a_removed_route_is_dropped_at_once_not_sent_on_the_old_connection() {
     let mut c = core_with(1, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
-    let s: Vec<u32> = (0..2).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    // One in flight, three waiting: more than the completions to come would release.
+    let s: Vec<u32> = (0..4).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
     post(&mut c);
     c.remove_route(ip("10.0.0.2"), 7);
+    assert_eq!(stat(&c, "tx_no_connection"), 3);
+    assert_eq!(c.free_slots(), SLOTS as usize - 1);
     route(&mut c, "10.0.0.2", 8, 65520);
     done(&mut c, 7, s[0], None);
     assert!(post(&mut c).is_empty());
-    assert_eq!(stat(&c, "tx_no_connection"), 1);
     assert_eq!(c.free_slots(), SLOTS as usize);
     // The new route carries what comes next.
     let n = read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(post(&mut c), [(8, n, 100)]);
+}
+
+#[test]
+fn what_waits_for_a_route_replaced_without_removal_is_dropped_at_the_next_completion() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..4).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    route(&mut c, "10.0.0.2", 8, 65520);
+    done(&mut c, 7, s[0], None);
+    assert!(post(&mut c).is_empty(), "nothing more on the old QP");
+    assert_eq!(stat(&c, "tx_no_connection"), 3, "all three, not one");
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    housekeeping(&mut c);
+    assert_eq!(stat(&c, "flows"), 0, "the old QP's flow is forgotten");
 }
 
 #[test]
@@ -580,16 +638,42 @@ fn keepalives_go_to_idle_live_connections_with_room() {
 }
 
 #[test]
-fn a_keepalive_the_qp_refuses_gives_its_slot_back_and_none_goes_without_a_slot() {
+fn a_keepalive_the_qp_refuses_gives_its_slot_back_and_kills_the_connection() {
     let mut c = core_with(8, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
-    c.housekeeping(|_, _| Err("refused"));
-    assert_eq!(stat(&c, "keepalives_sent"), 0);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    events(&mut c);
+    let mut tried = Vec::new();
+    c.housekeeping(|qp, _| {
+        tried.push(qp.0);
+        if qp.0 == 7 { Err("refused") } else { Ok(()) }
+    });
+    tried.sort_unstable();
+    assert_eq!(tried, [7, 8]);
+    assert_eq!(stat(&c, "keepalives_sent"), 1);
+    assert_eq!(
+        c.free_slots(),
+        SLOTS as usize - 1,
+        "the refused one's slot is back"
+    );
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::QpError {
+            qpn: 7,
+            status: None
+        }]
+    );
+    read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+}
+
+#[test]
+fn no_keepalive_goes_without_a_free_slot() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
     let taken: Vec<u32> = std::iter::from_fn(|| c.take_slot()).collect();
     assert_eq!(taken.len(), SLOTS as usize);
     assert_eq!(housekeeping(&mut c), []);
-    // The refused one was not in flight: with a slot free it goes.
     c.give_back(taken[0], None);
     assert_eq!(housekeeping(&mut c), [(7, taken[0])]);
 }
@@ -605,7 +689,10 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
     c.receive_failed(7, 10);
     assert_eq!(
         events(&mut c),
-        [EngineEvent::QpError { qpn: 7, status: 10 }]
+        [EngineEvent::QpError {
+            qpn: 7,
+            status: Some(10)
+        }]
     );
     read_to(&mut c, "10.0.0.2", 100);
     assert!(post(&mut c).is_empty());
@@ -614,7 +701,17 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
     route(&mut c, "10.0.0.3", 8, 65520);
     let s = read_to(&mut c, "10.0.0.3", 100);
     post(&mut c);
+    // Its window full (8, one sent before), three more wait.
+    let read: Vec<u32> = (0..10).map(|_| read_to(&mut c, "10.0.0.3", 100)).collect();
+    assert_eq!(post(&mut c).len(), 7);
+    assert_eq!(stat(&c, "tx_window_waits"), 3);
     c.receive_failed(8, 4);
+    assert_eq!(
+        stat(&c, "tx_backpressure"),
+        3,
+        "what waits is dropped at once"
+    );
+    assert!(read[7..].iter().all(|s| c.free.contains(s)));
     assert_eq!(
         events(&mut c),
         [
@@ -622,7 +719,10 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
                 ip: ip("10.0.0.3"),
                 qpn: 8
             },
-            EngineEvent::QpError { qpn: 8, status: 4 }
+            EngineEvent::QpError {
+                qpn: 8,
+                status: Some(4)
+            }
         ]
     );
     done(&mut c, 8, s, None);
@@ -643,4 +743,170 @@ fn destination_of_v4_and_v6_packets() {
     assert_eq!(destination(&v6[..39]), None);
     assert_eq!(destination(&[0x50; 40]), None);
     assert_eq!(destination(&[]), None);
+}
+
+/// Slots and windows under any order of events: a seeded run of reads (to routed, unrouted
+/// and multicast addresses), posts the QP takes whole or in part, completions (some in
+/// error), housekeeping, routes moved (removed first or not) and receives failed. After every
+/// step each send slot is in exactly one place (free, waiting, decided, or in flight on the
+/// QP) and no QP has more sends in flight than its window; once everything in flight
+/// completes, every slot is free again.
+#[test]
+fn every_slot_is_in_one_place_and_every_window_kept_whatever_happens() {
+    for seed in 1..=200u64 {
+        let mut run = Run::new(seed);
+        for step in 0..300u32 {
+            run.step(step);
+            run.check(step);
+        }
+        run.finish();
+    }
+}
+
+const DSTS: [&str; 5] = ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.9", "224.0.0.1"];
+const WINDOW: u32 = 3;
+
+/// One seeded run of [`every_slot_is_in_one_place_and_every_window_kept_whatever_happens`].
+struct Run {
+    c: EngineCore<Qp>,
+    /// Sends on the QPs, as the QPs hold them: (QP, slot).
+    in_flight: Vec<(u32, u32)>,
+    rng: u64,
+    seed: u64,
+}
+
+impl Run {
+    fn new(seed: u64) -> Self {
+        let mut c = core_with(WINDOW, 2, 4);
+        for (i, d) in DSTS[..3].iter().enumerate() {
+            route(&mut c, d, 7 + i as u32, 65520);
+        }
+        let rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let in_flight = Vec::new();
+        Self {
+            c,
+            in_flight,
+            rng,
+            seed,
+        }
+    }
+
+    /// xorshift64, below `n`: enough to vary the order; no crate for three lines.
+    fn next(&mut self, n: u64) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng % n
+    }
+
+    fn step(&mut self, step: u32) {
+        match self.next(10) {
+            0..=3 if self.c.can_read() => {
+                let d = DSTS[self.next(DSTS.len() as u64) as usize];
+                read_to(&mut self.c, d, 100);
+            }
+            4 => {
+                let take_all = self.next(4) > 0;
+                let in_flight = &mut self.in_flight;
+                self.c.flush(|qp, chain| {
+                    let n = if take_all {
+                        chain.len()
+                    } else {
+                        chain.len() / 2
+                    };
+                    in_flight.extend(chain[..n].iter().map(|r| (qp.0, r.slot)));
+                    (n, if n < chain.len() { Err("full") } else { Ok(()) })
+                });
+            }
+            5 | 6 if !self.in_flight.is_empty() => {
+                let i = self.next(self.in_flight.len() as u64) as usize;
+                let (qpn, slot) = self.in_flight.remove(i);
+                let error = (self.next(20) == 0).then_some(12);
+                done(&mut self.c, qpn, slot, error);
+            }
+            7 => {
+                let in_flight = &mut self.in_flight;
+                self.c.housekeeping(|qp, slot| {
+                    in_flight.push((qp.0, slot));
+                    Ok::<(), String>(())
+                });
+            }
+            8 => {
+                // A route moves to a new QP (the old one is the control plane's to close).
+                let d = DSTS[self.next(3) as usize];
+                if self.next(2) == 0 {
+                    let old = self.c.routes[&ip(d)].qp.0;
+                    self.c.remove_route(ip(d), old);
+                }
+                route(&mut self.c, d, 100 + step, 65520);
+            }
+            9 if self.next(5) == 0 => {
+                let d = DSTS[self.next(3) as usize];
+                let qpn = self.c.routes[&ip(d)].qp.0;
+                self.c.receive_failed(qpn, 10);
+            }
+            _ => {}
+        }
+        events(&mut self.c);
+    }
+
+    /// Every slot in one place; each QP's sends within its window, and counted by its flow.
+    fn check(&self, step: u32) {
+        let (c, seed) = (&self.c, self.seed);
+        check_slots(c, &self.in_flight, seed, step);
+        for (qpn, f) in &c.flows {
+            let on_qp = self.in_flight.iter().filter(|(q, _)| q == qpn).count() as u32;
+            assert!(
+                on_qp <= WINDOW,
+                "seed {seed} step {step}: QP {qpn} has {on_qp} in flight"
+            );
+            let decided = c.outbox.iter().filter(|(q, _)| q == qpn).count() as u32;
+            assert_eq!(
+                f.in_flight,
+                on_qp + decided,
+                "seed {seed} step {step}: QP {qpn}"
+            );
+        }
+    }
+
+    /// Everything posted, everything in flight completes, until nothing is left: every slot
+    /// is free.
+    fn finish(mut self) {
+        loop {
+            let in_flight = &mut self.in_flight;
+            self.c.flush(|qp, chain| {
+                in_flight.extend(chain.iter().map(|r| (qp.0, r.slot)));
+                (chain.len(), Ok::<(), String>(()))
+            });
+            let Some((qpn, slot)) = self.in_flight.pop() else {
+                break;
+            };
+            done(&mut self.c, qpn, slot, None);
+        }
+        check_slots(&self.c, &self.in_flight, self.seed, 300);
+        let seed = self.seed;
+        assert_eq!(
+            self.c.free_slots(),
+            SLOTS as usize,
+            "seed {seed}: every slot back"
+        );
+    }
+}
+
+/// Each slot in exactly one place: free, waiting on a flow, decided, or on a QP.
+fn check_slots(c: &EngineCore<Qp>, in_flight: &[(u32, u32)], seed: u64, step: u32) {
+    let mut all: Vec<u32> = c.free.clone();
+    all.extend(
+        c.flows
+            .values()
+            .flat_map(|f| f.waiting.iter().map(|(s, _)| *s)),
+    );
+    all.extend(c.outbox.iter().map(|(_, r)| r.slot));
+    all.extend(in_flight.iter().map(|(_, s)| *s));
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (0..SLOTS).collect::<Vec<_>>(),
+        "seed {seed} step {step}: slots lost or in two places"
+    );
 }
