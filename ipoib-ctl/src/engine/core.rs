@@ -344,9 +344,8 @@ impl<Q: Link> EngineCore<Q> {
             for r in &chain[..posted] {
                 self.stats.sent(r.len as usize);
             }
-            if posted > 0 {
-                self.sent_on.insert(qpn);
-            }
+            // No keepalive is due on it (one that took none of the chain is dead: none goes).
+            self.sent_on.insert(qpn);
             if let Err(e) = result {
                 tracing::debug!("post_send to {}: {e}", flow.dst);
                 for r in &chain[posted..] {
