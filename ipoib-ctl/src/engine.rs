@@ -64,10 +64,10 @@ use tokio::{
 
 use crate::{
     tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN},
-    verbs::{Completion, RcQueuePair, Resources, VerbsError, WC_FLUSHED},
+    verbs::{Completion, RcQueuePair, Resources, VerbsError},
 };
 
-pub use self::core::{EngineCore, Link};
+pub use self::core::{EngineCore, Link, Receipt};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -659,41 +659,21 @@ impl Io {
         result
     }
 
-    /// A receive completed: its message into the TUN device, and its buffer posted again on
-    /// the SRQ or its connection's ring. A ring's receive flushed in error is not posted again
-    /// (its QP is going), nor one whose ring is already gone.
+    /// A receive completed: as the core decides, its message into the TUN device and its
+    /// buffer posted again on the SRQ or its connection's ring.
     fn on_receive(&mut self, tun: &Tun, wc: &Completion) -> Result<(), EngineError> {
-        let flushed = wc.error == Some(WC_FLUSHED);
         let Some(buf) = self.res.recv.filled(wc) else {
-            // Its ring is gone: a flush after the QP was torn down, or an id of nothing.
-            Self::count(if flushed {
-                &self.stats.rx_flushed
-            } else {
-                &self.stats.rx_errors
-            });
+            self.core.on_receive_lost(wc);
             return Ok(());
         };
         let on_ring = buf.qp().is_some();
-        if let Some(status) = wc.error {
-            if flushed {
-                Self::count(&self.stats.rx_flushed);
-            } else {
-                Self::count(&self.stats.rx_errors);
-                self.core.receive_failed(wc.qp_num, status);
+        match self.core.on_receive(wc, buf.bytes().len(), on_ring) {
+            Receipt::Keep => return Ok(()),
+            Receipt::Repost => {}
+            Receipt::Deliver => {
+                let written = tun.send(buf.bytes()).is_ok();
+                self.core.delivered(wc.qp_num, wc.bytes, written);
             }
-            if on_ring {
-                return Ok(());
-            }
-        } else if buf.bytes().len() <= KEEPALIVE_LEN {
-            Self::count(&self.stats.keepalives_received);
-            self.core.keepalive_received(wc.qp_num);
-        } else if tun.send(buf.bytes()).is_err() {
-            Self::count(&self.stats.rx_tun_errors);
-        } else {
-            self.stats.rx_packets.fetch_add(1, Ordering::Relaxed);
-            let bytes = u64::from(wc.bytes);
-            self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
-            self.core.received(wc.qp_num, bytes);
         }
         match buf.repost() {
             Ok(()) => Ok(()),

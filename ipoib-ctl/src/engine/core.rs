@@ -20,10 +20,10 @@ use std::{
     },
 };
 
-use super::{EngineConfig, EngineEvent, EngineStats, Route};
+use super::{EngineConfig, EngineEvent, EngineStats, KEEPALIVE_LEN, Route};
 use crate::{
     tun::VNET_HDR_LEN,
-    verbs::{Completion, RcQueuePair, SendRequest},
+    verbs::{Completion, RcQueuePair, SendRequest, WC_FLUSHED},
 };
 
 /// A connection's sending end, as the core knows it: by its QP number. The engine's is
@@ -36,6 +36,19 @@ impl Link for Arc<RcQueuePair> {
     fn qpn(&self) -> u32 {
         RcQueuePair::qpn(self)
     }
+}
+
+/// What becomes of a receive completion's buffer, as [`EngineCore::on_receive`] decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Receipt {
+    /// A packet: written into the TUN device (then [`EngineCore::delivered`] with how that
+    /// went), and the buffer posted again.
+    Deliver,
+    /// Taken here (a keepalive, or a receive in error on the SRQ): the buffer posted again.
+    Repost,
+    /// A receive in error on a connection's ring: its QP is going, and the buffer is not
+    /// posted again.
+    Keep,
 }
 
 /// Which counter a dropped packet is counted under.
@@ -407,21 +420,59 @@ impl<Q: Link> EngineCore<Q> {
         }
     }
 
-    /// `bytes` of a packet received on `qpn` (written into the TUN device).
-    pub fn received(&mut self, qpn: u32, bytes: u64) {
-        self.rx_by_qp.add(qpn, bytes);
+    /// A receive completed into a buffer of `len` bytes, on a connection's ring or not:
+    /// counted, and what becomes of the buffer. A flushed receive is not an error (it only
+    /// follows one, or a close); one in error otherwise is its QP's failure.
+    pub fn on_receive(&mut self, wc: &Completion, len: usize, on_ring: bool) -> Receipt {
+        if let Some(status) = wc.error {
+            if status == WC_FLUSHED {
+                count(&self.stats.rx_flushed);
+            } else {
+                count(&self.stats.rx_errors);
+                self.receive_failed(wc.qp_num, status);
+            }
+            return if on_ring {
+                Receipt::Keep
+            } else {
+                Receipt::Repost
+            };
+        }
+        if len <= KEEPALIVE_LEN {
+            count(&self.stats.keepalives_received);
+            self.keepalives_by_qp.add(wc.qp_num, 1);
+            return Receipt::Repost;
+        }
+        Receipt::Deliver
     }
 
-    /// A keepalive received on `qpn`.
-    pub fn keepalive_received(&mut self, qpn: u32) {
-        self.keepalives_by_qp.add(qpn, 1);
+    /// A receive whose buffer is not known (its ring gone: a flush after its QP was torn
+    /// down, or an id of nothing): counted, flushed or not.
+    pub fn on_receive_lost(&mut self, wc: &Completion) {
+        count(if wc.error == Some(WC_FLUSHED) {
+            &self.stats.rx_flushed
+        } else {
+            &self.stats.rx_errors
+        });
+    }
+
+    /// The packet of [`Receipt::Deliver`], `bytes` long, received on `qpn`: written into the
+    /// TUN device (`written`) or not.
+    pub fn delivered(&mut self, qpn: u32, bytes: u32, written: bool) {
+        if !written {
+            count(&self.stats.rx_tun_errors);
+            return;
+        }
+        count(&self.stats.rx_packets);
+        let bytes = u64::from(bytes);
+        self.stats.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.rx_by_qp.add(qpn, bytes);
     }
 
     /// A receive on `qpn` failed on its own (a message longer than its buffer, a protocol
     /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
     /// says, and is reported the same way, once, its flow marked dead (no more sends posted,
     /// what waits dropped).
-    pub fn receive_failed(&mut self, qpn: u32, status: u32) {
+    fn receive_failed(&mut self, qpn: u32, status: u32) {
         let flow = match self.flows.entry(qpn) {
             Entry::Occupied(f) => f.into_mut(),
             Entry::Vacant(v) => {

@@ -88,6 +88,41 @@ fn done(c: &mut EngineCore<Qp>, qpn: u32, slot: u32, error: Option<u32>) {
     });
 }
 
+fn receive(
+    c: &mut EngineCore<Qp>,
+    qpn: u32,
+    len: usize,
+    error: Option<u32>,
+    on_ring: bool,
+) -> Receipt {
+    let wc = Completion {
+        wr_id: 0,
+        qp_num: qpn,
+        bytes: len as u32,
+        recv: true,
+        error,
+    };
+    c.on_receive(&wc, len, on_ring)
+}
+
+/// A packet of `bytes` received on `qpn` and written into the TUN device, as the loop does.
+fn packet_in(c: &mut EngineCore<Qp>, qpn: u32, bytes: u32) {
+    assert_eq!(
+        receive(c, qpn, bytes as usize, None, false),
+        Receipt::Deliver
+    );
+    c.delivered(qpn, bytes, true);
+}
+
+fn keepalive_in(c: &mut EngineCore<Qp>, qpn: u32) {
+    assert_eq!(receive(c, qpn, KEEPALIVE_LEN, None, false), Receipt::Repost);
+}
+
+/// A receive on `qpn` (on the SRQ) that completed in error, not flushed.
+fn failed_in(c: &mut EngineCore<Qp>, qpn: u32, status: u32) {
+    assert_eq!(receive(c, qpn, 0, Some(status), false), Receipt::Repost);
+}
+
 fn events(c: &mut EngineCore<Qp>) -> Vec<EngineEvent> {
     std::iter::from_fn(|| c.next_event()).collect()
 }
@@ -545,34 +580,34 @@ fn housekeeping_reports_each_total_once_after_a_change_and_only_for_routed_qps()
     route(&mut c, "10.0.0.2", 7, 65520);
     route(&mut c, "10.0.0.3", 8, 65520);
     events(&mut c);
-    c.received(7, 100);
-    c.received(7, 20);
-    c.received(8, 1);
-    c.received(9, 1000); // not routed: never reported
-    c.keepalive_received(8);
+    packet_in(&mut c, 7, 100);
+    packet_in(&mut c, 7, 20);
+    packet_in(&mut c, 8, 11);
+    packet_in(&mut c, 9, 1000); // not routed: never reported
+    keepalive_in(&mut c, 8);
     assert_eq!(
         totals_told(&mut c),
         [
-            EngineEvent::Received(vec![(7, 120), (8, 1)]),
+            EngineEvent::Received(vec![(7, 120), (8, 11)]),
             EngineEvent::Keepalives(vec![(8, 1)]),
         ]
     );
     assert_eq!(totals_told(&mut c), [], "not again without a change");
-    c.received(8, 1);
+    packet_in(&mut c, 8, 11);
     assert_eq!(
         totals_told(&mut c),
-        [EngineEvent::Received(vec![(7, 120), (8, 2)])]
+        [EngineEvent::Received(vec![(7, 120), (8, 22)])]
     );
     // A removed route's totals start again from nothing.
     c.remove_route(ip("10.0.0.3"), 8);
     route(&mut c, "10.0.0.3", 8, 65520);
     events(&mut c);
-    c.received(8, 5);
-    c.keepalive_received(8);
+    packet_in(&mut c, 8, 50);
+    keepalive_in(&mut c, 8);
     assert_eq!(
         totals_told(&mut c),
         [
-            EngineEvent::Received(vec![(7, 120), (8, 5)]),
+            EngineEvent::Received(vec![(7, 120), (8, 50)]),
             EngineEvent::Keepalives(vec![(8, 1)]),
         ]
     );
@@ -616,7 +651,7 @@ fn keepalives_go_to_idle_live_connections_with_room() {
     }
     done(&mut c, 8, on8, None);
     // 9 dies; 8 sends again; 10's window is still full.
-    c.receive_failed(9, 10);
+    failed_in(&mut c, 9, 10);
     let on8 = read_to(&mut c, "10.0.0.3", 100);
     post(&mut c);
     assert_eq!(
@@ -679,10 +714,10 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
     let mut c = core_with(8, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
     events(&mut c);
-    c.receive_failed(9, 10);
+    failed_in(&mut c, 9, 10);
     assert_eq!(events(&mut c), []);
-    c.receive_failed(7, 10);
-    c.receive_failed(7, 10);
+    failed_in(&mut c, 7, 10);
+    failed_in(&mut c, 7, 10);
     assert_eq!(
         events(&mut c),
         [EngineEvent::QpError {
@@ -701,7 +736,7 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
     let read: Vec<u32> = (0..10).map(|_| read_to(&mut c, "10.0.0.3", 100)).collect();
     assert_eq!(post(&mut c).len(), 7);
     assert_eq!(stat(&c, "tx_window_waits"), 3);
-    c.receive_failed(8, 4);
+    failed_in(&mut c, 8, 4);
     assert_eq!(
         stat(&c, "tx_backpressure"),
         3,
@@ -723,6 +758,69 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
     );
     done(&mut c, 8, s, None);
     assert!(post(&mut c).is_empty());
+}
+
+#[test]
+fn each_receive_is_counted_once_and_its_buffer_kept_only_on_a_failing_ring() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    events(&mut c);
+    // Flushed: not an error, and no failure told; a ring's buffer stays off its QP.
+    assert_eq!(
+        receive(&mut c, 7, 0, Some(WC_FLUSHED), false),
+        Receipt::Repost
+    );
+    assert_eq!(receive(&mut c, 7, 0, Some(WC_FLUSHED), true), Receipt::Keep);
+    assert_eq!(events(&mut c), []);
+    // A keepalive is a message no longer than the virtio-net header; one byte more is a packet.
+    assert_eq!(
+        receive(&mut c, 7, KEEPALIVE_LEN, None, true),
+        Receipt::Repost
+    );
+    assert_eq!(
+        receive(&mut c, 7, KEEPALIVE_LEN + 1, None, true),
+        Receipt::Deliver
+    );
+    c.delivered(7, 1500, false);
+    c.delivered(7, 1500, true);
+    // A buffer nobody knows: counted, nothing told.
+    let lost = |error| Completion {
+        wr_id: 0,
+        qp_num: 7,
+        bytes: 0,
+        recv: true,
+        error,
+    };
+    c.on_receive_lost(&lost(Some(WC_FLUSHED)));
+    c.on_receive_lost(&lost(Some(10)));
+    assert_eq!(events(&mut c), []);
+    // In error on a ring: its QP's failure, told once; the buffer kept.
+    assert_eq!(receive(&mut c, 7, 0, Some(10), true), Receipt::Keep);
+    assert_eq!(
+        nonzero(&c),
+        [
+            ("rx_packets", 1),
+            ("rx_bytes", 1500),
+            ("rx_errors", 2),
+            ("rx_flushed", 3),
+            ("rx_tun_errors", 1),
+            ("keepalives_received", 1),
+        ]
+    );
+    assert_eq!(
+        events(&mut c),
+        [EngineEvent::QpError {
+            qpn: 7,
+            status: Some(10)
+        }]
+    );
+    assert_eq!(
+        totals_told(&mut c),
+        [
+            EngineEvent::Received(vec![(7, 1500)]),
+            EngineEvent::Keepalives(vec![(7, 1)]),
+        ]
+    );
 }
 
 #[test]
@@ -839,7 +937,7 @@ impl Run {
             9 if self.next(5) == 0 => {
                 let d = DSTS[self.next(3) as usize];
                 let qpn = self.c.routes[&ip(d)].qp.0;
-                self.c.receive_failed(qpn, 10);
+                failed_in(&mut self.c, qpn, 10);
             }
             _ => {}
         }
