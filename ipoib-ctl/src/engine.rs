@@ -358,7 +358,6 @@ pub struct Engine {
 /// while packets move), and the core that decides it.
 struct Io {
     res: Arc<Resources>,
-    stats: Arc<EngineStats>,
     /// What is decided: see [`EngineCore`].
     core: EngineCore<Arc<RcQueuePair>>,
     /// The completions of one poll, kept to reuse its memory.
@@ -417,9 +416,8 @@ impl Engine {
             spill: vec![0; TUN_READ_MAX],
             tun,
             io: Io {
-                core: EngineCore::new(res.send.count, cfg, stats.clone()),
+                core: EngineCore::new(res.send.count, cfg, stats),
                 res,
-                stats,
                 wcs: Vec::with_capacity(POLL_BATCH),
                 events: None,
             },
@@ -429,7 +427,7 @@ impl Engine {
     }
 
     pub fn stats(&self) -> Arc<EngineStats> {
-        self.io.stats.clone()
+        self.io.core.stats().clone()
     }
 
     /// Where QP errors, congestion, routes added and receive totals are reported.
@@ -564,10 +562,6 @@ impl Engine {
 }
 
 impl Io {
-    fn count(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// Tells the control plane what the core decided to.
     fn tell(&mut self) {
         while let Some(e) = self.core.next_event() {
@@ -594,7 +588,8 @@ impl Io {
     /// The engine's proof of life renewed, and the core's housekeeping: its keepalives (a
     /// message of [`KEEPALIVE_LEN`] zero bytes, which no IP packet is) posted.
     fn housekeeping(&mut self) {
-        self.stats
+        self.core
+            .stats()
             .alive_ns
             .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         let send = &self.res.send;
@@ -687,7 +682,7 @@ impl Io {
             // low). Counted and said, not fatal: stopping the engine would stop connected mode
             // on this node for good, for one buffer.
             Err(e) => {
-                Self::count(&self.stats.rx_repost_errors);
+                self::core::count(&self.core.stats().rx_repost_errors);
                 tracing::warn!("reposting a receive buffer on the SRQ: {e}");
                 Ok(())
             }

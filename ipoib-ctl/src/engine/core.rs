@@ -22,7 +22,7 @@ use std::{
     },
 };
 
-use super::{EngineConfig, EngineEvent, EngineStats, KEEPALIVE_LEN, Route};
+use super::{EngineConfig, EngineEvent, EngineStats, KEEPALIVE_LEN, READ_BATCH, Route};
 use crate::{
     tun::VNET_HDR_LEN,
     verbs::{Completion, RcQueuePair, SendRequest, WC_FLUSHED},
@@ -87,11 +87,18 @@ impl<Q> Flow<Q> {
         }
     }
 
-    /// The connection failed: nothing more is posted on it, and what waits for it is
-    /// dropped (`tx_backpressure`). True the first time, when it is to be reported.
-    fn fail(&mut self, free: &mut Vec<u32>, stats: &EngineStats) -> bool {
+    /// The connection on QP `qpn` failed (`status`: the completion's, `None` for a send the
+    /// QP refused): nothing more is posted on it, and what waits for it is dropped
+    /// (`tx_backpressure`). The first time, the [`EngineEvent::QpError`] that reports it.
+    fn fail(
+        &mut self,
+        qpn: u32,
+        status: Option<u32>,
+        free: &mut Vec<u32>,
+        stats: &EngineStats,
+    ) -> Option<EngineEvent> {
         self.drop_waiting(free, stats, |s| &s.tx_backpressure);
-        !std::mem::replace(&mut self.dead, true)
+        (!std::mem::replace(&mut self.dead, true)).then_some(EngineEvent::QpError { qpn, status })
     }
 
     /// One more data send in flight, its depth counted (`tx_depth_sum`).
@@ -143,7 +150,7 @@ fn request(slot: u32, len: u32) -> SendRequest {
 }
 
 /// The destination address of an IP packet.
-pub(crate) fn destination(pkt: &[u8]) -> Option<IpAddr> {
+fn destination(pkt: &[u8]) -> Option<IpAddr> {
     match pkt.first()? >> 4 {
         4 => {
             let a: [u8; 4] = pkt.get(16..20)?.try_into().ok()?;
@@ -157,7 +164,7 @@ pub(crate) fn destination(pkt: &[u8]) -> Option<IpAddr> {
     }
 }
 
-fn count(c: &AtomicU64) {
+pub(super) fn count(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -193,10 +200,15 @@ impl<Q: Link> EngineCore<Q> {
             rx_by_qp: Totals::default(),
             keepalives_by_qp: Totals::default(),
             sent_on: HashSet::new(),
-            outbox: Vec::new(),
-            chain: Vec::new(),
+            outbox: Vec::with_capacity(2 * READ_BATCH),
+            chain: Vec::with_capacity(2 * READ_BATCH),
             events: VecDeque::new(),
         }
+    }
+
+    /// The counters it keeps (shared with status and tests).
+    pub fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
     }
 
     /// The next thing to tell the control plane.
@@ -371,10 +383,8 @@ impl<Q: Link> EngineCore<Q> {
                 // The window keeps the send queue from filling, so a QP that refuses a send is
                 // broken. Posting on would black-hole the peer's packets, and what waits here
                 // could wait for completions that never come: it fails as on a send in error.
-                if flow.fail(&mut self.free, &self.stats) {
-                    self.events
-                        .push_back(EngineEvent::QpError { qpn, status: None });
-                }
+                let failed = flow.fail(qpn, None, &mut self.free, &self.stats);
+                self.events.extend(failed);
             }
         }
         self.outbox.clear();
@@ -396,11 +406,8 @@ impl<Q: Link> EngineCore<Q> {
         if let Some(status) = wc.error {
             // Kept, dead, until housekeeping finds it unrouted with every send back (its QP
             // alive till then, so its number is not another's).
-            if flow.fail(&mut self.free, &self.stats) {
-                let qpn = wc.qp_num;
-                let status = Some(status);
-                self.events.push_back(EngineEvent::QpError { qpn, status });
-            }
+            let failed = flow.fail(wc.qp_num, Some(status), &mut self.free, &self.stats);
+            self.events.extend(failed);
             return;
         }
         // The next waiting is posted at the end of the turn while its destination is still
@@ -485,10 +492,8 @@ impl<Q: Link> EngineCore<Q> {
                 v.insert(Flow::new(*ip, r.qp.clone()))
             }
         };
-        if flow.fail(&mut self.free, &self.stats) {
-            let status = Some(status);
-            self.events.push_back(EngineEvent::QpError { qpn, status });
-        }
+        let failed = flow.fail(qpn, Some(status), &mut self.free, &self.stats);
+        self.events.extend(failed);
     }
 
     /// Forgets the flows of connections that are gone (no longer routed to their QP) and have
@@ -550,10 +555,8 @@ impl<Q: Link> EngineCore<Q> {
                     // Refused: broken, as a data send refused says.
                     self.free.push(slot);
                     tracing::debug!("keepalive to {ip}: {e}");
-                    if flow.fail(&mut self.free, &self.stats) {
-                        self.events
-                            .push_back(EngineEvent::QpError { qpn, status: None });
-                    }
+                    let failed = flow.fail(qpn, None, &mut self.free, &self.stats);
+                    self.events.extend(failed);
                 }
             }
         }
