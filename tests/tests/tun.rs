@@ -233,3 +233,115 @@ fn a_multi_queue_device_spreads_flows_over_its_queues() {
     drop(queues);
     drop(nss);
 }
+
+/// What the queues of a device held: per queue, the number of UDP packets read for each
+/// destination address.
+fn udp_by_queue(queues: &[Tun]) -> Vec<std::collections::BTreeMap<std::net::IpAddr, u32>> {
+    let mut buf = vec![0u8; TUN_READ_MAX];
+    let mut seen = Vec::new();
+    for q in queues {
+        let mut by_dst = std::collections::BTreeMap::new();
+        while let Ok(n) = q.recv(&mut buf) {
+            let ip = &buf[10..n];
+            let dst: std::net::IpAddr = match ip[0] >> 4 {
+                4 if ip[9] == 17 => <[u8; 4]>::try_from(&ip[16..20]).unwrap().into(),
+                6 if ip[6] == 17 => <[u8; 16]>::try_from(&ip[24..40]).unwrap().into(),
+                _ => continue,
+            };
+            *by_dst.entry(dst).or_insert(0) += 1;
+        }
+        seen.push(by_dst);
+    }
+    seen
+}
+
+/// The engine's steering program on a two-queue device: every flow to a destination is
+/// transmitted on the queue its entry names, whatever its hash (16 flows each, which the
+/// kernel's own spreading puts on both queues, as the test above shows); a destination with
+/// no entry, or whose entry was cleared, on queue 0; IPv6 as IPv4.
+#[test]
+fn steering_puts_each_destination_on_its_queue() {
+    if !root_or_skip("steering_puts_each_destination_on_its_queue") {
+        return;
+    }
+    use ipoib_ctl::steer::Steering;
+    use std::net::IpAddr;
+    let ns = "tunt-steer";
+    let _ = Command::new("ip").args(["netns", "del", ns]).output();
+    run(&["ip", "netns", "add", ns]);
+    let nss = Namespaces(vec![ns.into()]);
+    let queues = in_netns(ns, || Tun::create_queues("st%d", 2, true).expect("queues"));
+    let dev = queues[0].name().to_string();
+    run(&["ip", "-n", ns, "addr", "add", "10.98.8.1/24", "dev", &dev]);
+    run(&[
+        "ip",
+        "-n",
+        ns,
+        "addr",
+        "add",
+        "fd00:98::1/64",
+        "dev",
+        &dev,
+        "nodad",
+    ]);
+    run(&["ip", "-n", ns, "link", "set", &dev, "up"]);
+    let mut steering = Steering::attach(&queues[1]).expect("steering attached");
+    let (to_1, to_0, unknown, v6): (IpAddr, IpAddr, IpAddr, IpAddr) = (
+        "10.98.8.2".parse().unwrap(),
+        "10.98.8.3".parse().unwrap(),
+        "10.98.8.4".parse().unwrap(),
+        "fd00:98::2".parse().unwrap(),
+    );
+    steering.set(to_1, 1).unwrap();
+    steering.set(to_0, 0).unwrap();
+    steering.set(v6, 1).unwrap();
+    assert_eq!(steering.get(to_1).unwrap(), Some(1));
+    assert_eq!(steering.get(unknown).unwrap(), None);
+    const FLOWS: u16 = 16;
+    let send = move |dsts: Vec<IpAddr>| {
+        in_netns(ns, move || {
+            for dst in dsts {
+                for i in 0..FLOWS {
+                    let src: IpAddr = if dst.is_ipv4() {
+                        "10.98.8.1".parse().unwrap()
+                    } else {
+                        "fd00:98::1".parse().unwrap()
+                    };
+                    let s = std::net::UdpSocket::bind((src, 41000 + i)).unwrap();
+                    s.send_to(&[1; 64], (dst, 9)).unwrap();
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    send(vec![to_1, to_0, unknown, v6]);
+    let seen = udp_by_queue(&queues);
+    eprintln!("per queue, packets by destination: {seen:?}");
+    let n = u32::from(FLOWS);
+    assert_eq!(seen[1].get(&to_1), Some(&n), "{to_1}: steered to queue 1");
+    assert_eq!(seen[1].get(&v6), Some(&n), "{v6}: steered to queue 1");
+    assert_eq!(seen[0].get(&to_0), Some(&n), "{to_0}: steered to queue 0");
+    assert_eq!(
+        seen[0].get(&unknown),
+        Some(&n),
+        "{unknown}: no entry, queue 0"
+    );
+    assert_eq!(
+        seen[0].len() + seen[1].len(),
+        4,
+        "each destination on one queue"
+    );
+
+    // Cleared only by the queue it names: another queue's clear leaves it.
+    steering.clear(to_1, 0).unwrap();
+    assert_eq!(steering.get(to_1).unwrap(), Some(1));
+    steering.clear(to_1, 1).unwrap();
+    assert_eq!(steering.get(to_1).unwrap(), None);
+    send(vec![to_1]);
+    let seen = udp_by_queue(&queues);
+    assert_eq!(seen[0].get(&to_1), Some(&n), "{to_1} cleared: queue 0");
+    assert!(seen[1].is_empty(), "queue 1 after the clear: {:?}", seen[1]);
+    drop(steering);
+    drop(queues);
+    drop(nss);
+}
