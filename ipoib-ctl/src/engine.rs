@@ -40,6 +40,14 @@
 //! ring pool's table, behind one uncontended lock (the ring's QP is made and dropped on this
 //! same thread).
 //!
+//! Lanes: the resources may be shared out over several lanes ([`crate::verbs::Lane`]: a CQ
+//! and a range of the send slots each; the SRQ or ring pool shared), a QP made on the lane
+//! with the fewest. [`Engine::lanes`] makes one engine per lane, each reading one queue of a
+//! multi-queue TUN device and run on a thread of its own, with one [`EngineControl`] for all: a
+//! route goes to the engine of its QP's lane, which steers its destination to its queue
+//! ([`crate::steer`]) before it takes the route, so each destination is read by the engine
+//! that posts on its connection. [`Engine::new`] is the one engine of one lane.
+//!
 //! Runs on tokio: AsyncFd on the TUN fd and on the CQ's completion channel.
 
 mod core;
@@ -50,7 +58,7 @@ use std::{
     net::IpAddr,
     os::fd::{AsRawFd, RawFd},
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
@@ -63,8 +71,9 @@ use tokio::{
 };
 
 use crate::{
+    steer::Steering,
     tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN},
-    verbs::{Completion, RcQueuePair, Resources, VerbsError},
+    verbs::{Completion, Lane, RcQueuePair, Resources, VerbsError},
 };
 
 pub use self::core::{EngineCore, Link, Receipt};
@@ -83,6 +92,10 @@ pub enum EngineError {
     NoChannel,
     #[error("send region slots are {stride} B, a packet may need {need} B")]
     SlotTooSmall { stride: u64, need: usize },
+    #[error("{queues} TUN queues for {lanes} lanes: one engine per lane reads one queue")]
+    Lanes { lanes: usize, queues: usize },
+    #[error(transparent)]
+    Steer(#[from] crate::steer::SteerError),
 }
 
 /// Counters, shared with status and tests.
@@ -150,30 +163,31 @@ impl EngineStats {
 
     /// Every counter by name.
     pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
-        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        vec![
-            ("tx_packets", g(&self.tx_packets)),
-            ("tx_bytes", g(&self.tx_bytes)),
-            ("tx_largest", g(&self.tx_largest)),
-            ("tx_no_connection", g(&self.tx_no_connection)),
-            ("tx_multicast", g(&self.tx_multicast)),
-            ("tx_oversize", g(&self.tx_oversize)),
-            ("tx_backpressure", g(&self.tx_backpressure)),
-            ("tx_congested", g(&self.tx_congested)),
-            ("tx_window_waits", g(&self.tx_window_waits)),
-            ("tx_depth_sum", g(&self.tx_depth_sum)),
-            ("tx_malformed", g(&self.tx_malformed)),
-            ("send_errors", g(&self.send_errors)),
-            ("rx_packets", g(&self.rx_packets)),
-            ("rx_bytes", g(&self.rx_bytes)),
-            ("rx_errors", g(&self.rx_errors)),
-            ("rx_flushed", g(&self.rx_flushed)),
-            ("rx_tun_errors", g(&self.rx_tun_errors)),
-            ("rx_repost_errors", g(&self.rx_repost_errors)),
-            ("keepalives_sent", g(&self.keepalives_sent)),
-            ("keepalives_received", g(&self.keepalives_received)),
-            ("flows", g(&self.flows)),
-        ]
+        COUNTERS
+            .iter()
+            .map(|(name, c)| (*name, c(self).load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// The counters of the engines of several lanes as one: summed, but `tx_largest` (the
+    /// largest of them) and the proof of life (the oldest of them).
+    pub fn total<'a>(all: impl IntoIterator<Item = &'a EngineStats>) -> EngineStats {
+        let t = EngineStats {
+            alive_ns: AtomicU64::new(u64::MAX),
+            ..EngineStats::default()
+        };
+        for s in all {
+            for (name, c) in COUNTERS {
+                let v = c(s).load(Ordering::Relaxed);
+                match *name {
+                    "tx_largest" => c(&t).fetch_max(v, Ordering::Relaxed),
+                    _ => c(&t).fetch_add(v, Ordering::Relaxed),
+                };
+            }
+            t.alive_ns
+                .fetch_min(s.alive_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        t
     }
 
     /// `stats tx_packets=N tx_bytes=N ...`: one line, for logs and test peers.
@@ -197,6 +211,32 @@ impl EngineStats {
     }
 }
 
+/// Every counter of [`EngineStats`] by name, in the order lines and snapshots give them.
+type Counter = fn(&EngineStats) -> &AtomicU64;
+const COUNTERS: &[(&str, Counter)] = &[
+    ("tx_packets", |s| &s.tx_packets),
+    ("tx_bytes", |s| &s.tx_bytes),
+    ("tx_largest", |s| &s.tx_largest),
+    ("tx_no_connection", |s| &s.tx_no_connection),
+    ("tx_multicast", |s| &s.tx_multicast),
+    ("tx_oversize", |s| &s.tx_oversize),
+    ("tx_backpressure", |s| &s.tx_backpressure),
+    ("tx_congested", |s| &s.tx_congested),
+    ("tx_window_waits", |s| &s.tx_window_waits),
+    ("tx_depth_sum", |s| &s.tx_depth_sum),
+    ("tx_malformed", |s| &s.tx_malformed),
+    ("send_errors", |s| &s.send_errors),
+    ("rx_packets", |s| &s.rx_packets),
+    ("rx_bytes", |s| &s.rx_bytes),
+    ("rx_errors", |s| &s.rx_errors),
+    ("rx_flushed", |s| &s.rx_flushed),
+    ("rx_tun_errors", |s| &s.rx_tun_errors),
+    ("rx_repost_errors", |s| &s.rx_repost_errors),
+    ("keepalives_sent", |s| &s.keepalives_sent),
+    ("keepalives_received", |s| &s.keepalives_received),
+    ("flows", |s| &s.flows),
+];
+
 /// A connection as the engine uses it (the core's tests give it a QP of their own).
 #[derive(Clone)]
 pub struct Route<Q = Arc<RcQueuePair>> {
@@ -217,12 +257,13 @@ pub enum EngineCommand {
     /// Send `ip`'s packets over this connection from now on; answered with
     /// [`EngineEvent::RouteAdded`].
     AddRoute { ip: IpAddr, route: Route },
-    /// Stop routing `ip` to QP `qpn` (if that is still its route), then fire `close`: the QP
-    /// may be torn down once nothing new is posted on it.
+    /// Stop routing `ip` to QP `qpn` (if that is still its route), then let go of `close`:
+    /// it fires once every lane has (the QP may be torn down once nothing new is posted on
+    /// it).
     RemoveRoute {
         ip: IpAddr,
         qpn: u32,
-        close: Option<oneshot::Sender<()>>,
+        close: Option<Arc<CloseWhenDone>>,
     },
     /// A test hook (`attach --test-faults`): break the engine on purpose.
     Fault(Fault),
@@ -273,27 +314,52 @@ async fn inject(f: Fault) {
     }
 }
 
-/// The control plane's end of the engine's command channel (clone freely).
-#[derive(Clone)]
-pub struct EngineControl(mpsc::UnboundedSender<EngineCommand>);
+/// Fires its sender when the last lane lets go of it (a route removal sent to every lane).
+#[derive(Debug)]
+pub struct CloseWhenDone(Option<oneshot::Sender<()>>);
 
-impl EngineControl {
-    pub fn add_route(&self, ip: IpAddr, route: Route) {
-        let _ = self.0.send(EngineCommand::AddRoute { ip, route });
-    }
-
-    /// Removes `ip`'s route to `qpn`; `close` fires once it is gone (also when the engine
-    /// has stopped: the sender is then dropped, which a watcher takes as the same).
-    pub fn remove_route(&self, ip: IpAddr, qpn: u32, close: Option<oneshot::Sender<()>>) {
-        let _ = self.0.send(EngineCommand::RemoveRoute { ip, qpn, close });
-    }
-
-    /// A test hook: breaks the engine (see [`Fault`]).
-    pub fn fault(&self, f: Fault) {
-        let _ = self.0.send(EngineCommand::Fault(f));
+impl Drop for CloseWhenDone {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
     }
 }
 
+/// The control plane's end of the command channels of the engines of one set of lanes, one
+/// per lane in lane order (clone freely).
+#[derive(Clone)]
+pub struct EngineControl(Arc<[mpsc::UnboundedSender<EngineCommand>]>);
+
+impl EngineControl {
+    /// `ip`'s packets over `route` from now on: told to the engine of the QP's lane.
+    pub fn add_route(&self, ip: IpAddr, route: Route) {
+        if let Some(lane) = self.0.get(route.qp.lane() as usize) {
+            let _ = lane.send(EngineCommand::AddRoute { ip, route });
+        }
+    }
+
+    /// Removes `ip`'s route to `qpn` on whichever lane has it (told to every lane: a lane
+    /// that had it has let go of the QP once it has taken the command); `close` fires once
+    /// every lane has (also when an engine has stopped: the sender is then dropped, which a
+    /// watcher takes as the same).
+    pub fn remove_route(&self, ip: IpAddr, qpn: u32, close: Option<oneshot::Sender<()>>) {
+        let close = close.map(|c| Arc::new(CloseWhenDone(Some(c))));
+        for lane in self.0.iter() {
+            let close = close.clone();
+            let _ = lane.send(EngineCommand::RemoveRoute { ip, qpn, close });
+        }
+    }
+
+    /// A test hook: breaks every lane's engine (see [`Fault`]).
+    pub fn fault(&self, f: Fault) {
+        for lane in self.0.iter() {
+            let _ = lane.send(EngineCommand::Fault(f));
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
     /// Sends in flight per connection (the QPs' `max_send_wr`).
     pub max_send_wr: u32,
@@ -358,6 +424,11 @@ pub struct Engine {
 /// while packets move), and the core that decides it.
 struct Io {
     res: Arc<Resources>,
+    /// The CQ it polls and the send slots it posts from.
+    lane: Arc<Lane>,
+    /// Where the TUN device's packets to each destination go, with more than one lane: each
+    /// route this engine takes steers its destination to this lane's queue.
+    steering: Option<Arc<Mutex<Steering>>>,
     /// What is decided: see [`EngineCore`].
     core: EngineCore<Arc<RcQueuePair>>,
     /// The completions of one poll, kept to reuse its memory.
@@ -393,37 +464,72 @@ const TURN_BUDGET: Duration = Duration::from_millis(20);
 pub const KEEPALIVE_LEN: usize = VNET_HDR_LEN;
 
 impl Engine {
-    /// `tun` must be non-blocking; `res` must have one CQ for sends and receives, with a
-    /// completion channel, and send slots of at least one CM message (65520 B). A packet
-    /// longer than its connection's MTU is dropped and counted (`tx_oversize`): the route's
-    /// device must keep GSO packets below it (gso_max_size).
+    /// `tun` must be non-blocking; `res` must have one lane, with a completion channel, and
+    /// send slots of at least one CM message (65520 B). A packet longer than its connection's
+    /// MTU is dropped and counted (`tx_oversize`): the route's device must keep GSO packets
+    /// below it (gso_max_size).
     pub fn new(tun: Tun, res: Arc<Resources>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        Ok(Self::lanes(vec![tun], res, cfg)?.remove(0))
+    }
+
+    /// One engine per lane of `res`, lane `i`'s reading queue `i` of a multi-queue TUN
+    /// device ([`Tun::create_queues`], one queue per lane), with one control for all: a route
+    /// goes to the engine of its QP's lane, and with more than one lane the device is steered
+    /// ([`Steering`]) so that a destination's packets are read by the engine of its route.
+    /// Each engine runs on a thread of its own; they share the SRQ (or the ring pool).
+    pub fn lanes(
+        queues: Vec<Tun>,
+        res: Arc<Resources>,
+        cfg: EngineConfig,
+    ) -> Result<Vec<Self>, EngineError> {
+        if queues.len() != res.lanes.len() {
+            return Err(EngineError::Lanes {
+                lanes: res.lanes.len(),
+                queues: queues.len(),
+            });
+        }
         if res.send.stride < u64::from(IPOIB_CM_MTU) {
             return Err(EngineError::SlotTooSmall {
                 stride: res.send.stride,
                 need: IPOIB_CM_MTU as usize,
             });
         }
-        if res.recv_cq.channel_fd().is_none() || !Arc::ptr_eq(&res.send_cq, &res.recv_cq) {
+        if res.lanes.iter().any(|l| l.cq.channel_fd().is_none()) {
             return Err(EngineError::NoChannel);
         }
-        let (tx, commands) = mpsc::unbounded_channel();
-        let stats = Arc::new(EngineStats::default());
-        stats
-            .alive_ns
-            .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
-        Ok(Self {
-            spill: vec![0; TUN_READ_MAX],
-            tun,
-            io: Io {
-                core: EngineCore::new(res.send.count, cfg, stats),
-                res,
-                wcs: Vec::with_capacity(POLL_BATCH),
-                events: None,
-            },
-            commands,
-            control: EngineControl(tx),
-        })
+        let steering = match queues.len() {
+            1 => None,
+            _ => Some(Arc::new(Mutex::new(Steering::attach(&queues[0])?))),
+        };
+        let (senders, receivers): (Vec<_>, Vec<_>) =
+            queues.iter().map(|_| mpsc::unbounded_channel()).unzip();
+        let control = EngineControl(senders.into());
+        let engines = queues
+            .into_iter()
+            .zip(receivers)
+            .zip(res.lanes.clone())
+            .map(|((tun, commands), lane)| {
+                let stats = Arc::new(EngineStats::default());
+                stats
+                    .alive_ns
+                    .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
+                Self {
+                    spill: vec![0; TUN_READ_MAX],
+                    tun,
+                    io: Io {
+                        core: EngineCore::new(lane.slots.clone(), cfg, stats),
+                        res: res.clone(),
+                        lane,
+                        steering: steering.clone(),
+                        wcs: Vec::with_capacity(POLL_BATCH),
+                        events: None,
+                    },
+                    commands,
+                    control: control.clone(),
+                }
+            })
+            .collect();
+        Ok(engines)
     }
 
     pub fn stats(&self) -> Arc<EngineStats> {
@@ -435,6 +541,16 @@ impl Engine {
         let (tx, rx) = mpsc::unbounded_channel();
         self.io.events = Some(tx);
         rx
+    }
+
+    /// Reports into `tx` (the engines of several lanes into one channel).
+    pub fn report_to(&mut self, tx: mpsc::UnboundedSender<EngineEvent>) {
+        self.io.events = Some(tx);
+    }
+
+    /// The lane it runs (see [`Resources::lanes`]).
+    pub fn lane(&self) -> u32 {
+        self.io.lane.index
     }
 
     /// How the control plane adds and removes routes (commands are taken while `run` runs).
@@ -461,21 +577,16 @@ impl Engine {
         stop: impl std::future::Future<Output = ()>,
     ) -> Result<(), EngineError> {
         let tun_err = self.tun_err();
-        let fd = self
-            .io
-            .res
-            .recv_cq
-            .channel_fd()
-            .ok_or(EngineError::NoChannel)?;
+        let fd = self.io.lane.cq.channel_fd().ok_or(EngineError::NoChannel)?;
         // SAFETY: both fds stay open for as long as the AsyncFds live: the channel is owned by
-        // the CQ in `core.res` and the TUN fd by `self.tun`, both outliving this function.
+        // the CQ in `io.lane` and the TUN fd by `self.tun`, both outliving this function.
         let channel = unsafe { AsyncFd::register_with_interest(RawFdRef(fd), Interest::READABLE) }
             .map_err(|e| tun_err(e.into_parts().1))?;
         let tun = unsafe {
             AsyncFd::register_with_interest(RawFdRef(self.tun.as_raw_fd()), Interest::READABLE)
         }
         .map_err(|e| tun_err(e.into_parts().1))?;
-        self.io.res.recv_cq.arm()?;
+        self.io.lane.cq.arm()?;
         // Completions left for the next turn (the last turn took its share and stopped).
         let mut more = self.io.completions(&self.tun)?;
         tokio::pin!(stop);
@@ -493,7 +604,7 @@ impl Engine {
                 _ = housekeeping.tick() => self.io.housekeeping(),
                 g = channel.readable() => {
                     let mut g = g.map_err(&tun_err)?;
-                    let cq = &self.io.res.recv_cq;
+                    let cq = &self.io.lane.cq;
                     while cq.wait(Duration::ZERO)? {}
                     g.clear_ready();
                     cq.arm()?;
@@ -573,16 +684,37 @@ impl Io {
 
     fn command(&mut self, c: EngineCommand) {
         match c {
-            EngineCommand::AddRoute { ip, route } => self.core.add_route(ip, route),
+            EngineCommand::AddRoute { ip, route } => {
+                self.steer(ip, Steering::set);
+                self.core.add_route(ip, route);
+            }
             EngineCommand::Fault(_) => {}
             EngineCommand::RemoveRoute { ip, qpn, close } => {
-                self.core.remove_route(ip, qpn);
-                if let Some(close) = close {
-                    let _ = close.send(());
+                if self.core.remove_route(ip, qpn) {
+                    self.steer(ip, Steering::clear);
                 }
+                drop(close);
             }
         }
         self.tell();
+    }
+
+    /// `ip`'s steering to this lane's queue set (before its route: its packets are read
+    /// here from then on) or cleared, with `change`; with one lane there is none. A failure
+    /// leaves the destination where it was (its packets read by another lane are dropped
+    /// there, counted as without a connection), and is said.
+    fn steer(
+        &self,
+        ip: IpAddr,
+        change: fn(&mut Steering, IpAddr, u32) -> Result<(), crate::steer::SteerError>,
+    ) {
+        let Some(steering) = &self.steering else {
+            return;
+        };
+        let mut steering = steering.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = change(&mut steering, ip, self.lane.index) {
+            tracing::warn!("steering {ip} to lane {}: {e}", self.lane.index);
+        }
     }
 
     /// The engine's proof of life renewed, and the core's housekeeping: its keepalives (a
@@ -624,7 +756,7 @@ impl Io {
         let mut result = Ok(true);
         let start = std::time::Instant::now();
         while start.elapsed() < TURN_BUDGET {
-            let n = match self.res.recv_cq.poll(&mut wcs, POLL_BATCH) {
+            let n = match self.lane.cq.poll(&mut wcs, POLL_BATCH) {
                 Ok(n) => n,
                 Err(e) => {
                     result = Err(e.into());
@@ -703,6 +835,25 @@ mod tests {
         assert!("crash".parse::<Fault>().is_err());
         assert!("pause".parse::<Fault>().is_err());
         assert!("pause soon".parse::<Fault>().is_err());
+    }
+
+    #[test]
+    fn lanes_counters_add_up_but_the_largest_and_the_oldest_proof_of_life() {
+        let (a, b) = (EngineStats::default(), EngineStats::default());
+        for (s, n) in [(&a, 1), (&b, 10)] {
+            for (_, c) in COUNTERS {
+                c(s).store(n, Ordering::Relaxed);
+            }
+            s.alive_ns.store(100 * n, Ordering::Relaxed);
+        }
+        let t = EngineStats::total([&a, &b]);
+        for (name, v) in t.snapshot() {
+            let want = if name == "tx_largest" { 10 } else { 11 };
+            assert_eq!(v, want, "{name}");
+        }
+        assert_eq!(t.alive_ns.load(Ordering::Relaxed), 100);
+        assert_eq!(EngineStats::total([&a]).snapshot(), a.snapshot());
+        assert_eq!(t.snapshot().len(), COUNTERS.len());
     }
 
     #[test]

@@ -56,10 +56,21 @@ impl Verbs {
         buffer: u32,
         send_slots: u32,
     ) -> Result<Self> {
+        Self::open_lanes(dev, model, buffer, send_slots, 1)
+    }
+
+    /// With `lanes` lanes (an engine each; the pump uses the first lane's CQ alone).
+    pub fn open_lanes(
+        dev: &str,
+        model: ReceiveModel,
+        buffer: u32,
+        send_slots: u32,
+        lanes: u32,
+    ) -> Result<Self> {
         let dev = Device::open(dev)?;
-        let res = Resources::create(&dev, 1, 0, model, buffer, send_slots, STRIDE)?;
+        let res = Resources::create_lanes(&dev, 1, 0, model, buffer, send_slots, STRIDE, lanes)?;
         Ok(Self {
-            cq: res.recv_cq.clone(),
+            cq: res.lanes[0].cq.clone(),
             send: res.send.clone(),
             res,
             dev,

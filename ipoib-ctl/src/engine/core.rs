@@ -189,12 +189,12 @@ pub struct EngineCore<Q> {
 }
 
 impl<Q: Link> EngineCore<Q> {
-    /// A core for send slots `0..slots`, all free.
-    pub fn new(slots: u32, cfg: EngineConfig, stats: Arc<EngineStats>) -> Self {
+    /// A core for send slots `slots` (its lane's), all free.
+    pub fn new(slots: std::ops::Range<u32>, cfg: EngineConfig, stats: Arc<EngineStats>) -> Self {
         Self {
             cfg,
             stats,
-            free: (0..slots).rev().collect(),
+            free: slots.rev().collect(),
             routes: HashMap::new(),
             flows: HashMap::new(),
             rx_by_qp: Totals::default(),
@@ -252,11 +252,12 @@ impl<Q: Link> EngineCore<Q> {
         self.events.push_back(EngineEvent::RouteAdded { ip, qpn });
     }
 
-    /// `ip`'s packets no longer go to QP `qpn` (if that is still its route); what waits for
-    /// the QP will never go on it and is dropped (`tx_no_connection`); its totals are
-    /// forgotten.
-    pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) {
-        if self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn) {
+    /// `ip`'s packets no longer go to QP `qpn` (if that is still its route: true when it
+    /// was); what waits for the QP will never go on it and is dropped (`tx_no_connection`);
+    /// its totals are forgotten.
+    pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) -> bool {
+        let removed = self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn);
+        if removed {
             self.routes.remove(&ip);
         }
         if let Some(flow) = self.flows.get_mut(&qpn) {
@@ -265,6 +266,7 @@ impl<Q: Link> EngineCore<Q> {
         }
         self.rx_by_qp.forget(qpn);
         self.keepalives_by_qp.forget(qpn);
+        removed
     }
 
     /// The packet `msg` (virtio-net header and IP packet) read into send slot `slot`: to its

@@ -261,28 +261,52 @@ impl Device {
     }
 }
 
-/// What every connection of a node shares: the PD, one CQ for sends and receives (with a
-/// completion channel), where receives land (the SRQ, or the pool of per-connection rings),
-/// the registered send slots and the port's address. Built once, for the daemon and the test
-/// nodes alike. Each object holds an Arc of what it was made from (the QPs made from these
-/// too), so the HCA's drop order holds whatever drops first.
+/// What every connection of a node shares: the PD, where receives land (the SRQ, or the pool
+/// of per-connection rings), the registered send slots, the port's address, and its lanes:
+/// one per engine, each a CQ (with a completion channel) for the sends and receives of the
+/// QPs made on it and a range of the send slots. Built once, for the daemon and the test nodes
+/// alike. Each object holds an Arc of what it was made from (the QPs made from these too), so
+/// the HCA's drop order holds whatever drops first.
 pub struct Resources {
     pub pd: Arc<ProtectionDomain>,
-    pub send_cq: Arc<CompletionQueue>,
-    pub recv_cq: Arc<CompletionQueue>,
     pub recv: Receive,
     /// Send slots, each one CM message in whole pages.
     pub send: Arc<MemoryRegion>,
     pub port: PortAddress,
+    /// At least one. A QP is made on the lane with the fewest QPs ([`Resources::rc_qp`]).
+    pub lanes: Vec<Arc<Lane>>,
+}
+
+/// One engine's share of [`Resources`]: the CQ its QPs' sends and receives complete on, and
+/// the send slots it posts from.
+pub struct Lane {
+    pub index: u32,
+    pub cq: Arc<CompletionQueue>,
+    pub slots: std::ops::Range<u32>,
+    /// QPs made on this lane and not yet dropped.
+    qps: AtomicU32,
+}
+
+impl Lane {
+    /// QPs made on this lane and not yet dropped.
+    pub fn qps(&self) -> u32 {
+        self.qps.load(Ordering::Relaxed)
+    }
+}
+
+/// Send slots `0..slots` shared out over `lanes` lanes, in order, the first ones one more when
+/// they do not divide evenly.
+fn lane_slots(slots: u32, lanes: u32, lane: u32) -> std::ops::Range<u32> {
+    let (each, more) = (slots / lanes, slots % lanes);
+    let start = lane * each + lane.min(more);
+    start..start + each + u32::from(lane < more)
 }
 
 impl Resources {
     /// On `port` of `dev` (its first GID that is set), QPs in the partition at `pkey_index` of
     /// the port's P_Key table: receives of `buffer_bytes` as `model`
     /// says (an SRQ with every buffer posted, or a pool that registers a ring per
-    /// connection), `send_slots` send slots, every buffer `stride` bytes apart, and a CQ deep
-    /// enough for every receive that may be posted and the sends (twice: a slot may complete
-    /// in error after a flush).
+    /// connection), `send_slots` send slots, every buffer `stride` bytes apart, and one lane.
     pub fn create(
         dev: &Device,
         port: u8,
@@ -292,13 +316,51 @@ impl Resources {
         send_slots: u32,
         stride: u64,
     ) -> Result<Arc<Self>, VerbsError> {
+        Self::create_lanes(
+            dev,
+            port,
+            pkey_index,
+            model,
+            buffer_bytes,
+            send_slots,
+            stride,
+            1,
+        )
+    }
+
+    /// As [`Resources::create`], with `lanes` lanes (at least one, at most one per send slot)
+    /// sharing the send slots out. Each lane's CQ is deep enough for every receive that may be
+    /// posted (any of them may complete on any lane) and its sends (twice: a slot may complete
+    /// in error after a flush).
+    #[allow(clippy::too_many_arguments)]
+    pub fn create_lanes(
+        dev: &Device,
+        port: u8,
+        pkey_index: u16,
+        model: ReceiveModel,
+        buffer_bytes: u32,
+        send_slots: u32,
+        stride: u64,
+        lanes: u32,
+    ) -> Result<Arc<Self>, VerbsError> {
+        let lanes = lanes.clamp(1, send_slots.max(1));
         let port = PortAddress {
             pkey_index,
             ..dev.first_address(port)?
         };
         let pd = dev.alloc_pd()?;
-        let cqe = model.receives().saturating_add(2 * send_slots);
-        let cq = CompletionQueue::create(dev, cqe, true)?;
+        let lanes = (0..lanes)
+            .map(|index| {
+                let slots = lane_slots(send_slots, lanes, index);
+                let cqe = model.receives().saturating_add(2 * slots.len() as u32);
+                Ok(Arc::new(Lane {
+                    index,
+                    cq: CompletionQueue::create(dev, cqe, true)?,
+                    slots,
+                    qps: AtomicU32::new(0),
+                }))
+            })
+            .collect::<Result<Vec<_>, VerbsError>>()?;
         let recv = match model {
             ReceiveModel::Srq { depth } => Receive::Srq(SharedReceiveQueue::create(
                 &pd,
@@ -313,26 +375,30 @@ impl Resources {
         let send = MemoryRegion::register(&pd, send_slots, stride)?;
         Ok(Arc::new(Self {
             pd,
-            send_cq: cq.clone(),
-            recv_cq: cq,
             recv,
             send,
             port,
+            lanes,
         }))
     }
 
-    /// An RC QP on these resources, first PSN `psn`: receiving on the SRQ, or on a ring of
-    /// its own (registered and posted here; Err([`VerbsError::RingsExhausted`]) before
-    /// anything is allocated when the pool is at its cap).
+    /// An RC QP on these resources, first PSN `psn`, on the lane with the fewest QPs (the
+    /// first of them): receiving on the SRQ, or on a ring of its own (registered and posted
+    /// here; Err([`VerbsError::RingsExhausted`]) before anything is allocated when the pool is
+    /// at its cap).
     pub fn rc_qp(&self, max_send_wr: u32, psn: u32) -> Result<Arc<RcQueuePair>, VerbsError> {
+        let lane = self
+            .lanes
+            .iter()
+            .min_by_key(|l| l.qps())
+            .expect("at least one lane");
         let ring = match &self.recv {
             Receive::Srq(_) => None,
             Receive::Rings(pool) => Some(pool.ring()?),
         };
         let qp = Arc::new(RcQueuePair::create(
             &self.pd,
-            &self.send_cq,
-            &self.recv_cq,
+            lane,
             self.recv.srq(),
             ring,
             self.port,
@@ -953,8 +1019,9 @@ pub struct RcQueuePair {
     /// Its own receive buffers (no SRQ): freed after the QP is destroyed.
     ring: Option<RecvRing>,
     _pd: Arc<ProtectionDomain>,
-    _send_cq: Arc<CompletionQueue>,
-    _recv_cq: Arc<CompletionQueue>,
+    /// Its sends and receives complete on the lane's CQ; counted among the lane's QPs until
+    /// dropped.
+    lane: Arc<Lane>,
     _srq: Option<Arc<SharedReceiveQueue>>,
 }
 
@@ -967,18 +1034,17 @@ impl Drop for RcQueuePair {
         // SAFETY: created here, destroyed once; the CQs, SRQ, ring and PD it uses are fields,
         // alive until after this.
         unsafe { ffi::ibv_destroy_qp(self.qp) };
+        self.lane.qps.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl RcQueuePair {
-    /// An RC QP receiving on `srq`, or on `ring` (exactly one of them), its sends completing
-    /// on `send_cq`, its receives on `recv_cq`, moved to INIT on `port`. `psn` is the first
+    /// An RC QP receiving on `srq`, or on `ring` (exactly one of them), its sends and receives
+    /// completing on `lane`'s CQ, moved to INIT on `port`. `psn` is the first
     /// PSN it will send with (24 bits). A ring's receives are posted by the caller.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn create(
         pd: &Arc<ProtectionDomain>,
-        send_cq: &Arc<CompletionQueue>,
-        recv_cq: &Arc<CompletionQueue>,
+        lane: &Arc<Lane>,
         srq: Option<&Arc<SharedReceiveQueue>>,
         ring: Option<RecvRing>,
         port: PortAddress,
@@ -988,8 +1054,8 @@ impl RcQueuePair {
         let max_recv_wr = ring.as_ref().map_or(0, |r| r.region.count);
         let mut init = ffi::ibv_qp_init_attr {
             qp_context: ptr::null_mut(),
-            send_cq: send_cq.cq,
-            recv_cq: recv_cq.cq,
+            send_cq: lane.cq.cq,
+            recv_cq: lane.cq.cq,
             srq: srq.map_or(ptr::null_mut(), |s| s.srq),
             cap: ffi::ibv_qp_cap {
                 max_send_wr,
@@ -1006,14 +1072,15 @@ impl RcQueuePair {
         if qp.is_null() {
             return Err(pd.ctx.err("ibv_create_qp", io::Error::last_os_error()));
         }
+        // Counted here, uncounted in drop.
+        lane.qps.fetch_add(1, Ordering::Relaxed);
         let q = Self {
             qp,
             port,
             psn: psn & 0xff_ffff,
             ring,
             _pd: pd.clone(),
-            _send_cq: send_cq.clone(),
-            _recv_cq: recv_cq.clone(),
+            lane: lane.clone(),
             _srq: srq.cloned(),
         };
         let mut attr = ffi::ibv_qp_attr {
@@ -1080,6 +1147,11 @@ impl RcQueuePair {
     pub fn qpn(&self) -> u32 {
         // SAFETY: valid QP; qp_num is plain data.
         unsafe { (*self.qp).qp_num }
+    }
+
+    /// The lane it was made on: the engine that posts on it and polls its completions.
+    pub fn lane(&self) -> u32 {
+        self.lane.index
     }
 
     /// This end, for the handshake.
@@ -1357,5 +1429,24 @@ mod tests {
         let t = RcTiming::default();
         assert_eq!((t.rnr_retry, rnr_timer_us(t.min_rnr_timer)), (7, 640));
         assert_eq!((t.ack_timeout, t.retry_cnt), (14, 7));
+    }
+
+    /// Every send slot on exactly one lane, in order, the lanes as even as can be.
+    #[test]
+    fn lanes_share_the_send_slots_out_evenly_in_order() {
+        for (slots, lanes) in [(256, 1), (256, 2), (10, 3), (7, 7), (5, 4)] {
+            let ranges: Vec<_> = (0..lanes).map(|l| lane_slots(slots, lanes, l)).collect();
+            assert_eq!(ranges[0].start, 0, "{slots}/{lanes}: {ranges:?}");
+            for w in ranges.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{slots}/{lanes}: {ranges:?}");
+            }
+            assert_eq!(ranges[ranges.len() - 1].end, slots, "{ranges:?}");
+            let sizes: Vec<_> = ranges.iter().map(|r| r.len()).collect();
+            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(max - min <= 1, "{slots}/{lanes}: {sizes:?}");
+            assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "{sizes:?}");
+        }
+        assert_eq!(lane_slots(10, 3, 0), 0..4);
+        assert_eq!(lane_slots(10, 3, 2), 7..10);
     }
 }

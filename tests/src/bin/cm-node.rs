@@ -18,7 +18,7 @@ use anyhow::Result;
 use clap::Parser;
 use ipoib_ctl::{
     cm::{Cm, SetupConfig},
-    engine::{Engine, EngineConfig, Route},
+    engine::{Engine, EngineConfig, EngineStats, Route},
     tun::Tun,
     verbs::ReceiveModel,
 };
@@ -58,6 +58,10 @@ struct Args {
     /// for the neighbour table: the test has one peer).
     #[arg(long)]
     peer_ip: Option<std::net::IpAddr>,
+    /// With --tun: a TUN device of this many queues, an engine on a thread of its own for
+    /// each (a lane each: its own CQ and share of the send slots, the SRQ shared).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    queues: u32,
 }
 
 fn parse_u32(s: &str) -> Result<u32, String> {
@@ -77,7 +81,13 @@ fn main() -> Result<()> {
         },
         None => ReceiveModel::Srq { depth: args.depth },
     };
-    let node = Arc::new(Verbs::open_with(&args.device, model, 256)?);
+    let node = Arc::new(Verbs::open_lanes(
+        &args.device,
+        model,
+        ipoib_ctl::plan::CM_BUF_SIZE as u32,
+        256,
+        args.queues,
+    )?);
     let cfg = SetupConfig {
         max_concurrent: args.max_setups,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
@@ -87,16 +97,16 @@ fn main() -> Result<()> {
     let qps: QpTable = QpTable::default();
     let stop = Arc::new(AtomicBool::new(false));
 
-    let engine = match &args.tun {
+    let engines = match &args.tun {
         Some(cidr) => {
-            let tun = Tun::create("cmn%d", true)?;
-            let dev = tun.name().to_string();
+            let queues = Tun::create_queues("cmn%d", args.queues as usize, true)?;
+            let dev = queues[0].name().to_string();
             ipoib_tests::cmlab::tun_up(&dev, cidr);
-            Some(Engine::new(tun, node.res.clone(), EngineConfig::default())?)
+            Engine::lanes(queues, node.res.clone(), EngineConfig::default())?
         }
-        None => None,
+        None => Vec::new(),
     };
-    let engine_mode = engine.is_some();
+    let engine_mode = !engines.is_empty();
     let pump = {
         let (node, qps, stop) = (node.clone(), qps.clone(), stop.clone());
         std::thread::spawn(move || -> Result<()> {
@@ -139,20 +149,27 @@ fn main() -> Result<()> {
         println!("ready {gid} {:#x}", args.ud_qpn);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(cm.clone().serve(listener, tx));
-        let control = engine.as_ref().map(Engine::control);
-        if let Some(mut engine) = engine {
-            let stats = engine.stats();
-            println!("engine {}", engine.tun_name());
-            tokio::spawn(async move {
-                if let Err(e) = engine.run(std::future::pending()).await {
-                    println!("failed engine: {e}");
-                }
-            });
-            // Counters once a second, for the tests.
+        let control = engines.first().map(Engine::control);
+        if let Some(first) = engines.first() {
+            println!("engine {}", first.tun_name());
+            let stats: Vec<_> = engines.iter().map(Engine::stats).collect();
+            for mut engine in engines {
+                // Each lane's engine on a thread of its own, as many as there are queues.
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime");
+                    if let Err(e) = rt.block_on(engine.run(std::future::pending())) {
+                        println!("failed engine: {e}");
+                    }
+                });
+            }
+            // Counters once a second, for the tests: all lanes' as one.
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
-                    println!("{}", stats.line());
+                    println!("{}", EngineStats::total(stats.iter().map(|s| &**s)).line());
                 }
             });
         }

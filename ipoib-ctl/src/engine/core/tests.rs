@@ -25,7 +25,7 @@ fn core_with(max_send_wr: u32, backlog: usize, spare_slots: usize) -> EngineCore
         backlog,
         spare_slots,
     };
-    EngineCore::new(SLOTS, cfg, Arc::new(EngineStats::default()))
+    EngineCore::new(0..SLOTS, cfg, Arc::new(EngineStats::default()))
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -549,17 +549,32 @@ fn what_waits_for_a_route_replaced_without_removal_is_dropped_at_the_next_comple
 fn a_route_is_removed_only_from_its_own_qp() {
     let mut c = core_with(8, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
-    c.remove_route(ip("10.0.0.2"), 8);
+    assert!(!c.remove_route(ip("10.0.0.2"), 8), "not its route");
     let s = read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(
         post(&mut c),
         [(7, s, 100)],
         "a stale removal leaves the route"
     );
-    c.remove_route(ip("10.0.0.2"), 7);
+    assert!(c.remove_route(ip("10.0.0.2"), 7), "its route");
+    assert!(!c.remove_route(ip("10.0.0.2"), 7), "gone already");
     read_to(&mut c, "10.0.0.2", 100);
     assert!(post(&mut c).is_empty());
     assert_eq!(stat(&c, "tx_no_connection"), 1);
+}
+
+/// A core of one lane hands out that lane's send slots and no others.
+#[test]
+fn a_core_uses_its_lanes_slots_only() {
+    let mut c: EngineCore<Qp> = EngineCore::new(
+        16..20,
+        EngineConfig::default(),
+        Arc::new(EngineStats::default()),
+    );
+    let mut taken: Vec<u32> = std::iter::from_fn(|| c.take_slot()).collect();
+    taken.sort_unstable();
+    assert_eq!(taken, [16, 17, 18, 19]);
+    assert!(!c.can_read());
 }
 
 /// Housekeeping, and what it told: the totals in QP order.
