@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod cmlab;
 pub mod lab;
+pub mod lanes;
 pub mod notify;
 pub mod perftest;
 pub mod programs;

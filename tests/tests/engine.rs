@@ -27,6 +27,7 @@ use ipoib_tests::cmlab::{
     COUNTED, Netns, Peer, Verbs, connect_a_to_b, device, in_netns, pattern, rdma_resources, settle,
     tun_up,
 };
+use ipoib_tests::lanes::LanePair;
 
 const BYTES: usize = 48 << 20;
 
@@ -349,11 +350,11 @@ fn flow(dst: &'static str, seed: u32, bytes: usize) -> std::thread::JoinHandle<V
 
 /// Two lanes on each node (a two-queue TUN device, an engine on a thread of its own per queue,
 /// a CQ and a share of the send slots each, one SRQ): A connects to B twice, as two nodes
-/// would, the QPs land on
-/// different lanes, and each of B's two addresses is routed over one of them. Two TCP flows to
-/// each address at once: every byte arrives, each lane carries its own address's flows and no
-/// packet reaches a lane without its route (the steering program sends each destination to
-/// the queue of its route's lane; the kernel's own spreading by flow hash would not).
+/// would, the QPs land on different lanes, and each of B's two addresses is routed over one of
+/// them. Two TCP flows to each address at once: every byte arrives, each lane carries its own
+/// address's flows and no packet reaches a lane without its route (the steering program sends
+/// each destination to the queue of its route's lane; the kernel's own spreading by flow hash
+/// would not).
 #[test]
 fn two_lanes_carry_each_destination_on_its_own_queue() {
     let Some(dev) = device("two_lanes_carry_each_destination_on_its_own_queue") else {
@@ -361,92 +362,13 @@ fn two_lanes_carry_each_destination_on_its_own_queue() {
     };
     let ns = Netns::new("eng2", 6);
     let baseline = rdma_resources(&dev);
-    let mut peer = Peer::start(
-        &ns,
-        &dev,
-        "10.77.6.2:4755".parse().unwrap(),
-        0x49,
-        &[
-            "--tun",
-            "10.98.2.2/24",
-            "--peer-ip",
-            "10.98.2.1",
-            "--queues",
-            "2",
-        ],
-    );
-    let b_tun = peer.expect("engine", Duration::from_secs(10));
-    let b_tun = b_tun.split(' ').nth(1).unwrap().to_string();
-    ipoib_tests::cmlab::run(&[
-        "ip",
-        "-n",
-        &ns.name,
-        "addr",
-        "add",
-        "10.98.2.3/24",
-        "dev",
-        &b_tun,
-    ]);
-    let buf = ipoib_ctl::plan::CM_BUF_SIZE as u32;
-    let node =
-        Arc::new(Verbs::open_lanes(&dev, ReceiveModel::Srq { depth: 512 }, buf, 256, 2).unwrap());
-    let queues = Tun::create_queues("cmt%d", 2, true).unwrap();
-    let tun_name = queues[0].name().to_string();
-    tun_up(&tun_name, "10.98.2.1/24");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    // A connects twice as two nodes would (a CM keeps one connection per peer): two CMs on
-    // the same resources, with UD QPNs of their own.
-    let cms: Vec<_> = [0x101, 0x102]
-        .map(|ud_qpn| Arc::new(Cm::new(node.res.clone(), ud_qpn, SetupConfig::default())))
-        .into();
-    let conns: Vec<_> = cms
-        .iter()
-        .map(|cm| {
-            let c = rt
-                .block_on(cm.connect(peer.addr, peer.hw))
-                .expect("a connection");
-            peer.expect("established", Duration::from_secs(10));
-            c
-        })
-        .collect();
+    let mut pair = LanePair::start(&dev, &ns, 6, 2, 2).expect("two nodes on two lanes");
+    let conns = &pair.conns;
     assert_ne!(
         conns[0].qp.lane(),
         conns[1].qp.lane(),
         "one connection per lane"
     );
-    let engines = Engine::lanes(queues, node.res.clone(), EngineConfig::default()).unwrap();
-    let control = engines[0].control();
-    let dsts: [IpAddr; 2] = ["10.98.2.2".parse().unwrap(), "10.98.2.3".parse().unwrap()];
-    for (ip, c) in dsts.iter().zip(&conns) {
-        control.add_route(
-            *ip,
-            Route {
-                qp: c.qp.clone(),
-                mtu: c.mtu,
-            },
-        );
-    }
-    let stats: Vec<_> = engines.iter().map(Engine::stats).collect();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let threads: Vec<_> = engines
-        .into_iter()
-        .map(|mut engine| {
-            let mut stop = stop_rx.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                rt.block_on(engine.run(async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                }))
-                .expect("a lane's engine");
-            })
-        })
-        .collect();
 
     // Four flows at once, two to each address, checked byte for byte at B.
     const FLOW: usize = 8 << 20;
@@ -486,22 +408,18 @@ fn two_lanes_carry_each_destination_on_its_own_queue() {
         );
     }
 
-    let lanes: Vec<std::collections::HashMap<_, _>> = stats
-        .iter()
-        .map(|s| s.snapshot().into_iter().collect())
-        .collect();
-    let there = peer_stats(&mut peer, Duration::from_secs(5), |s| {
+    let lanes = pair.lanes();
+    let there = peer_stats(&mut pair.peer, Duration::from_secs(5), |s| {
         s["rx_bytes"] >= 4 * FLOW as u64
     });
     eprintln!("A's lanes: {lanes:?}; B (both lanes): {there:?}");
-    for (i, c) in conns.iter().enumerate() {
+    for (c, dst) in conns.iter().zip(pair.dsts) {
         let lane = &lanes[c.qp.lane() as usize];
         assert!(
             lane["tx_bytes"] >= 2 * FLOW as u64,
-            "lane {} carried {} B for {}'s two flows: {lane:?}",
+            "lane {} carried {} B for {dst}'s two flows: {lane:?}",
             c.qp.lane(),
             lane["tx_bytes"],
-            dsts[i]
         );
     }
     // B sends to A over its latest connection (its route), so A receives the ACKs on that
@@ -523,24 +441,13 @@ fn two_lanes_carry_each_destination_on_its_own_queue() {
     }
     assert!(there["rx_bytes"] >= 4 * FLOW as u64, "{there:?}");
 
-    for (ip, c) in dsts.iter().zip(&conns) {
-        control.remove_route(*ip, c.qp.qpn(), None);
-    }
-    stop_tx.send(true).unwrap();
-    for t in threads {
-        t.join().expect("a lane's engine thread");
-    }
-    for c in conns {
-        c.close();
-        peer.expect("closed", Duration::from_secs(5));
-    }
+    let tun = pair.tun.clone();
+    let peer = pair.stop().expect("the lanes stopped");
     let out = std::process::Command::new("ip")
-        .args(["link", "show", &tun_name])
+        .args(["link", "show", &tun])
         .output()
         .unwrap();
-    assert!(!out.status.success(), "{tun_name} outlived the engines");
+    assert!(!out.status.success(), "{tun} outlived the engines");
     drop(peer);
-    drop(cms);
-    drop(node);
     settle(&dev, &baseline, COUNTED);
 }

@@ -30,6 +30,7 @@ use clap::{Parser, Subcommand};
                   cargo xtask bench tick     the policy's tick at 4096 peers (release)\n  \
                   cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)\n  \
                   cargo xtask bench engine   TCP over CM (SRQ, rings) vs UD between the lab's nodes (VM)\n  \
+                  cargo xtask bench lanes    the CM engine on one lane vs two (TUN queues, threads) (VM)\n  \
                   cargo xtask bench memory   receive memory against peers: SRQ, rings, the kernel (VM)"
 )]
 struct Cli {
@@ -163,6 +164,20 @@ enum Bench {
         /// --ctl-nice for B's ipoib-ctl too.
         #[arg(long)]
         ctl_nice_both: bool,
+    },
+    /// In the VM: the CM engine on one lane against two (a TUN queue, a CQ and a thread each),
+    /// TCP to two addresses of the peer at once, each over a connection of its own,
+    /// interleaved in one boot: Gbit/s and CPU seconds per GB.
+    Lanes {
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 8)]
+        seconds: u32,
+        /// Rounds (one lane and two in each); the median is reported.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// TCP streams to each of the peer's two addresses.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+        streams: u32,
     },
     /// On this machine's kernel (root): TCP between two namespaces through the engine's TUN
     /// hop (two TUN devices and a relay), over the kernel's UD stand-ins (veth at MTU 2044
@@ -339,6 +354,24 @@ fn main() -> Result<()> {
                 args.push("--ctl-nice-both".into());
             }
             bench_in_vm(&root, "bench-engine", &args, "engine.json")
+        }
+        Cmd::Bench {
+            what:
+                Bench::Lanes {
+                    seconds,
+                    rounds,
+                    streams,
+                },
+        } => {
+            let args = [
+                ("--seconds", seconds),
+                ("--rounds", rounds),
+                ("--streams", streams),
+            ]
+            .iter()
+            .flat_map(|(k, v)| [k.to_string(), v.to_string()])
+            .collect::<Vec<_>>();
+            bench_in_vm(&root, "bench-lanes", &args, "lanes.json")
         }
         Cmd::Bench {
             what: Bench::Memory { budget },
