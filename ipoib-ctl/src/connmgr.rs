@@ -28,7 +28,7 @@ use ipoib_common::{PeerEntry, PeerKey, PeerMode, PeerPin};
 use serde::Serialize;
 use tokio::{
     io::{Interest, unix::AsyncFd},
-    sync::{mpsc, oneshot},
+    sync::{mpsc, oneshot, watch},
     task::JoinHandle,
 };
 
@@ -114,8 +114,12 @@ pub struct CmOptions {
     pub node_budget: Option<u64>,
     /// Whether the HCA's SRQ may be used (`attach --srq`).
     pub srq: SrqChoice,
-    /// Registered send buffers, shared by every connection.
+    /// Registered send buffers, shared by every connection (and shared out over the lanes).
     pub send_slots: u32,
+    /// Engine lanes (`attach --cm-lanes`): the TUN device's queues, each read by an engine on
+    /// a thread of its own with a CQ and a share of the send slots; 1 is one engine, a task
+    /// on the control loop's thread.
+    pub lanes: u32,
     /// How often the policy runs.
     pub tick: Duration,
     /// Where the status is written (JSON), once per tick.
@@ -223,6 +227,9 @@ pub struct CmStatus {
     /// from it (milliseconds).
     #[serde(default)]
     pub tick_late_max_ms: u64,
+    /// Engines, one per lane (TUN queue); `engine` counts for all of them.
+    #[serde(default)]
+    pub engine_lanes: u32,
     pub engine: HashMap<String, u64>,
     pub peers: Vec<PeerStatus>,
 }
@@ -429,7 +436,7 @@ fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan, pkey_index: u16) -> Res
         }
     };
     let (buffer, t0) = (p.buffer_bytes as u32, std::time::Instant::now());
-    let res = Resources::create(
+    let res = Resources::create_lanes(
         dev,
         opts.port,
         pkey_index,
@@ -437,6 +444,7 @@ fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan, pkey_index: u16) -> Res
         buffer,
         opts.send_slots,
         CM_BUF_STRIDE,
+        opts.lanes,
     )?;
     tracing::info!(
         "{}: {model:?} and {} send slots set up in {:.1?}: {}",
@@ -456,17 +464,21 @@ fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan, pkey_index: u16) -> Res
 /// The TUN device `IFACEcm`: no IPv6 link-local address (the kernel's own chatter would come
 /// to the engine), a 64 KiB MTU, reverse-path filtering that accepts what arrives on it (see
 /// [`accept_on_tun`]). Returns it, its ifindex and what keeps its addresses.
-async fn open_tun(rtnl: &Rtnl, iface: &str) -> Result<(Tun, u32, Option<AddressMirror>), CmError> {
+async fn open_tun(
+    rtnl: &Rtnl,
+    iface: &str,
+    queues: u32,
+) -> Result<(Vec<Tun>, u32, Option<AddressMirror>), CmError> {
     let iface = rtnl::Link {
         index: netdev::Netdev::lookup(iface)?.ifindex,
         name: iface.to_string(),
     };
     // IFNAMSIZ is 16 with the NUL: 13 characters at most before the suffix.
     let want = format!("{}cm", iface.name.chars().take(13).collect::<String>());
-    let tun = Tun::create(&want, true)?;
+    let tun = Tun::create_queues(&want, queues as usize, true)?;
     let link = rtnl::Link {
-        index: netdev::Netdev::lookup(tun.name())?.ifindex,
-        name: tun.name().to_string(),
+        index: netdev::Netdev::lookup(tun[0].name())?.ifindex,
+        name: tun[0].name().to_string(),
     };
     rtnl.bring_up_without_ipv6(link.index, 65520).await?;
     let mirror = accept_on_tun(&iface, &link).await?;
@@ -572,13 +584,15 @@ pub const ENGINE_DEADLINE: Duration = Duration::from_millis(1500);
 // A live engine renews its proof of life at least twice within the deadline.
 const _: () = assert!(ENGINE_DEADLINE.as_millis() >= 2 * HOUSEKEEPING.as_millis());
 
-/// The running engine task and how to stop it.
+/// The running engine (its lanes') and how to stop it.
 struct EngineTask {
     control: EngineControl,
-    stats: Arc<EngineStats>,
-    stop: oneshot::Sender<()>,
-    /// None once it ended.
-    task: Option<JoinHandle<(Engine, Result<(), EngineError>)>>,
+    /// Each lane's counters.
+    stats: Vec<Arc<EngineStats>>,
+    stop: watch::Sender<bool>,
+    /// The engine's task; with several lanes, a task that ends when the first lane does and
+    /// stops the others. None once it ended.
+    task: Option<JoinHandle<Result<(), EngineError>>>,
 }
 
 /// Why a task ended (the engine's, the listener's: `result` takes its outcome from what it
@@ -692,8 +706,8 @@ impl Manager {
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
         let listener = listen(iface, opts.ctl_port)?;
         let rtnl = Arc::new(Rtnl::new()?);
-        let (tun, tun_ifindex, addresses) = open_tun(&rtnl, iface).await?;
-        let engine = Engine::new(tun, hca.res.clone(), EngineConfig::default())?;
+        let (queues, tun_ifindex, addresses) = open_tun(&rtnl, iface, opts.lanes).await?;
+        let engines = make_engines(queues, hca.res.clone()).await?;
         let device_events = watch_device(&hca.dev)?;
         let _ = std::fs::remove_file(&opts.status_path);
         reset_peers(&mut maps)?;
@@ -707,8 +721,8 @@ impl Manager {
         let core = new_core(iface, &opts, &hca, &cm);
         let (acc_tx, accepted) = mpsc::unbounded_channel();
         let serve = Some(tokio::spawn(cm.clone().serve(listener, acc_tx)));
-        let tun_name = engine.tun_name().to_string();
-        let (engine, engine_events) = spawn_engine(engine);
+        let tun_name = engines[0].tun_name().to_string();
+        let (engine, engine_events) = spawn_engine(engines);
         let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
         let tick = crate::clock::delayed_interval(opts.tick);
         let m = Self {
@@ -795,7 +809,7 @@ impl Manager {
             }
             Some((a, r)) = self.accepted.recv() => Input::Accepted(a, r),
             Some(o) = self.outcomes.recv() => Input::Outcome(o),
-            why = task_end(&mut self.engine.task, |(_, r)| r) => Input::EngineStopped(why),
+            why = task_end(&mut self.engine.task, |r| r) => Input::EngineStopped(why),
             why = task_end(&mut self.serve, |r| r) => Input::ListenerStopped(why),
         }
     }
@@ -818,7 +832,8 @@ impl Manager {
         }
         self.looked_at = now;
         let awake = Duration::from_nanos(now.saturating_sub(self.awake_since));
-        self.engine.stats.silent_for(now).min(awake)
+        let silent = self.engine.stats.iter().map(|s| s.silent_for(now)).max();
+        silent.unwrap_or_default().min(awake)
     }
 
     /// Handles one input, then carries out what the core decided.
@@ -1126,7 +1141,7 @@ impl Manager {
             .map(PeerStatus::from)
             .collect();
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let engine = self.engine.stats.snapshot();
+        let engine = EngineStats::total(self.engine.stats.iter().map(|s| &**s)).snapshot();
         let status = CmStatus {
             device: self.opts.device.clone(),
             tun: self.tun.clone(),
@@ -1155,6 +1170,7 @@ impl Manager {
                 .metrics()
                 .num_alive_tasks() as u64,
             tick_late_max_ms: self.tick_late_max.as_millis() as u64,
+            engine_lanes: self.engine.stats.len() as u32,
             engine: engine
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
@@ -1178,7 +1194,7 @@ impl Manager {
         self.execute()?;
         // Let the engine drop the routes and the watchers close their QPs.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let _ = self.engine.stop.send(());
+        let _ = self.engine.stop.send(true);
         let result = match self.engine.task.take() {
             Some(task) => stop_engine(task).await,
             None => Ok(()),
@@ -1259,14 +1275,9 @@ fn watch_device(dev: &Device) -> Result<AsyncFd<RawFdRef>, CmError> {
 
 /// Waits for the engine's task to end after its stop; one that does not within a second (a
 /// stalled engine) is aborted. Either way the engine, and its TUN device, are dropped.
-async fn stop_engine(
-    mut task: JoinHandle<(Engine, Result<(), EngineError>)>,
-) -> Result<(), CmError> {
+async fn stop_engine(mut task: JoinHandle<Result<(), EngineError>>) -> Result<(), CmError> {
     match tokio::time::timeout(Duration::from_secs(1), &mut task).await {
-        Ok(Ok((engine, r))) => {
-            drop(engine);
-            r.map_err(CmError::from)
-        }
+        Ok(Ok(r)) => r.map_err(CmError::from),
         Ok(Err(e)) => Err(CmError::Io(io::Error::other(format!(
             "the engine task: {e}"
         )))),
@@ -1279,20 +1290,41 @@ async fn stop_engine(
     }
 }
 
-/// The engine as a task of this runtime, with its control and events.
-fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<EngineEvent>) {
-    let events = engine.events();
-    let control = engine.control();
-    let stats = engine.stats();
-    let (stop, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let r = engine
-            .run(async {
-                let _ = stop_rx.await;
-            })
-            .await;
-        (engine, r)
-    });
+/// The engine with its control and events: one lane's as a task of this runtime; several
+/// lanes' each on a thread of its own, watched by a task of this runtime that ends when the
+/// first lane does (the others are then stopped: connected mode restarts whole).
+fn spawn_engine(mut engines: Vec<Engine>) -> (EngineTask, mpsc::UnboundedReceiver<EngineEvent>) {
+    let (events_tx, events) = mpsc::unbounded_channel();
+    for e in &mut engines {
+        e.report_to(events_tx.clone());
+    }
+    let control = engines[0].control();
+    let stats = engines.iter().map(Engine::stats).collect();
+    let (stop, stop_rx) = watch::channel(false);
+    let task = if engines.len() == 1 {
+        let mut engine = engines.remove(0);
+        tokio::spawn(async move {
+            let r = engine.run(stopped(stop_rx)).await;
+            drop(engine);
+            r
+        })
+    } else {
+        let stop_all = stop.clone();
+        tokio::spawn(async move {
+            let mut lanes = tokio::task::JoinSet::new();
+            for engine in engines {
+                lanes.spawn(on_thread(engine, stop_rx.clone()));
+            }
+            let first = lanes.join_next().await;
+            let _ = stop_all.send(true);
+            match first {
+                Some(Ok(r)) => r,
+                Some(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Some(Err(e)) => Err(EngineError::Lane(e.to_string())),
+                None => Ok(()),
+            }
+        })
+    };
     let t = EngineTask {
         control,
         stats,
@@ -1300,6 +1332,45 @@ fn spawn_engine(mut engine: Engine) -> (EngineTask, mpsc::UnboundedReceiver<Engi
         task: Some(task),
     };
     (t, events)
+}
+
+/// An engine per lane of `res`, one per TUN queue. Off the loop's thread: with several lanes
+/// this gives the device the steering program (loaded the first time: tens of ms on a real
+/// CPU, seconds under emulation).
+async fn make_engines(queues: Vec<Tun>, res: Arc<Resources>) -> Result<Vec<Engine>, CmError> {
+    tokio::task::spawn_blocking(move || Engine::lanes(queues, res, EngineConfig::default()))
+        .await
+        .map_err(|e| CmError::Io(io::Error::other(format!("making the engines: {e}"))))?
+        .map_err(CmError::from)
+}
+
+/// Resolves once `stop` says so (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Runs one lane's engine on a thread of its own (a current-thread runtime of its own) until
+/// `stop`; its result, or its panic, once it ends.
+async fn on_thread(mut engine: Engine, stop: watch::Receiver<bool>) -> Result<(), EngineError> {
+    let lane = engine.lane();
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("engine-{lane}"))
+        .spawn(move || {
+            let r = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| EngineError::Lane(format!("its runtime: {e}")))
+                .and_then(|rt| rt.block_on(engine.run(stopped(stop))));
+            drop(engine);
+            let _ = tx.send(r);
+        })
+        .map_err(|e| EngineError::Lane(format!("lane {lane}'s thread: {e}")))?;
+    match rx.await {
+        Ok(r) => r,
+        // The thread ended without a word: it panicked (and said so on stderr).
+        Err(_) => panic!("the engine of lane {lane} panicked"),
+    }
 }
 
 /// The operator's pins, by address, from the peers map as read.

@@ -96,6 +96,8 @@ pub enum EngineError {
     Lanes { lanes: usize, queues: usize },
     #[error(transparent)]
     Steer(#[from] crate::steer::SteerError),
+    #[error("an engine lane: {0}")]
+    Lane(String),
 }
 
 /// Counters, shared with status and tests.
@@ -499,7 +501,17 @@ impl Engine {
         }
         let steering = match queues.len() {
             1 => None,
-            _ => Some(Arc::new(Mutex::new(Steering::attach(&queues[0])?))),
+            n => {
+                let t0 = std::time::Instant::now();
+                let s = Steering::attach(&queues[0])?;
+                tracing::info!(
+                    "{}: {n} queues, each destination steered to its route's (the program \
+                     given in {:.1?})",
+                    queues[0].name(),
+                    t0.elapsed()
+                );
+                Some(Arc::new(Mutex::new(s)))
+            }
         };
         let (senders, receivers): (Vec<_>, Vec<_>) =
             queues.iter().map(|_| mpsc::unbounded_channel()).unzip();

@@ -197,6 +197,13 @@ struct CmArgs {
     /// Time a connection lives at least, and a demoted peer waits before promotion again.
     #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = parse_secs)]
     cm_min_hold: f64,
+    /// Engine lanes: the CM engine's TUN device gets this many queues, each read by an engine
+    /// on a thread of its own with a CQ and a share of the send slots, every peer's packets by
+    /// the engine of its connection (1: one engine, on the control loop's thread). More than
+    /// one pays only with CPUs to spare; see the README's `bench lanes`.
+    #[arg(long, default_value_t = 1, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=16))]
+    cm_lanes: u32,
     /// Tests only: break the engine on request (`panic`, `stall`, `hang` or `pause MS` written into
     /// /run/ipoib-ctl/IFACE.fault), or end the handshake listener's task (`listener`), to prove
     /// the control loop catches it.
@@ -317,6 +324,7 @@ fn cm_options(
         node_budget: args.node_memory_budget,
         srq: args.srq,
         send_slots: ipoib_ctl::plan::SEND_SLOTS,
+        lanes: args.cm_lanes,
         tick: Duration::from_secs(1),
         status_path: connmgr::status_path(iface),
         promotion: ipoib_ctl::promotion::Config {

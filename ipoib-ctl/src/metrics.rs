@@ -206,9 +206,14 @@ fn peer_metrics(reg: &mut Registry, s: &Status) {
 }
 
 /// Connected mode's levels: connections against the plan, receive memory against the budget.
-fn cm_gauges(cm: &CmStatus) -> [(&'static str, &'static str, u64); 6] {
+fn cm_gauges(cm: &CmStatus) -> [(&'static str, &'static str, u64); 7] {
     [
         ("cm_connections", "RC connections up", cm.connections as u64),
+        (
+            "cm_engine_lanes",
+            "CM engines, one per TUN queue (attach --cm-lanes)",
+            u64::from(cm.engine_lanes),
+        ),
         (
             "ud_segmentation_offloaded",
             "1 when the interface segments in the device (TSO): mode auto then promotes no \
@@ -328,6 +333,7 @@ mod tests {
             c["failed"] = 2.into();
             c["srq_low_events"] = 1.into();
             c["tick_late_max_ms"] = 125.into();
+            c["engine_lanes"] = 2.into();
             c["ud_path"] = "offloaded".into();
             c["receive"]["registered_bytes"] = 4194304.into();
             c["receive"]["budget_bytes"] = 16777216.into();
@@ -367,6 +373,7 @@ mod tests {
             (r#"ipoib_loop_running{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_running{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_connections{iface="ib0"}"#, 1.0),
+            (r#"ipoib_cm_engine_lanes{iface="ib0"}"#, 2.0),
             (r#"ipoib_cm_max_connections{iface="ib0"}"#, 96.0),
             (
                 r#"ipoib_cm_receive_registered_bytes{iface="ib0"}"#,

@@ -491,9 +491,13 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
 /// The engine's counters, one line.
 fn render_engine(out: &mut String, cm: &crate::connmgr::CmStatus) {
     let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
+    let lanes = match cm.engine_lanes {
+        0 | 1 => String::new(),
+        n => format!(" ({n} lanes)"),
+    };
     let _ = writeln!(
         out,
-        "    engine: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
+        "    engine{lanes}: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
          send errors {}, receive errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
         e("tx_packets"),
         human_bytes(e("tx_bytes")),
@@ -820,6 +824,11 @@ mod tests {
         ] {
             assert!(out.contains(want), "{want:?} not in {out}");
         }
+        assert!(out.starts_with("    engine: "), "one lane unsaid: {out}");
+        cm.engine_lanes = 2;
+        let mut out = String::new();
+        render_engine(&mut out, &cm);
+        assert!(out.starts_with("    engine (2 lanes): tx 10 msgs"), "{out}");
     }
 
     /// Every row's columns start where the header's do, the longest IPv6 address included.

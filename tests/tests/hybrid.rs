@@ -2214,8 +2214,8 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
 /// (the fail-safe then sends every packet UD, and an engine that turns again gets it back); a
 /// blocked thread stops the heartbeat itself. Connected mode stopped by the panic starts
 /// again after its backoff, and the flow returns to CM.
-fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
-    let test = format!("a_wedged_engine_goes_ud_{fault}");
+fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
+    let test = format!("a_wedged_engine_goes_ud_{fault}_{lanes}");
     let Some((dev, baseline, mut lab)) = rdma_lab(&test, tag, 2) else {
         return;
     };
@@ -2227,18 +2227,28 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
         period.as_micros().to_string(),
     );
     let node_a = lab.a.clone();
+    let lanes_arg = lanes.to_string();
+    let lanes_args = ["--cm-lanes", lanes_arg.as_str()];
     lab.attach_node_env(
         &node_a,
-        &["--cm-device", &dev, "--test-faults"],
+        &[&["--cm-device", &dev, "--test-faults"][..], &lanes_args].concat(),
         &[("NOTIFY_SOCKET", &sock_path), ("WATCHDOG_USEC", &usec)],
     )
     .unwrap();
-    lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
+    lab.attach(
+        Which::B,
+        &[&["--cm-device", &dev][..], &lanes_args].concat(),
+    )
+    .unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, port);
     a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
         .expect("promoted");
+    for n in [&a, &b] {
+        let cm = cm_of(n);
+        assert_eq!(cm.engine_lanes, lanes, "{}: {cm:#?}", n.ns);
+    }
     let deadline = Duration::from_nanos(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
     std::fs::write(format!("/run/ipoib-ctl/{}.fault", a.iface), fault).unwrap();
     let t = Instant::now();
@@ -2279,6 +2289,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16) {
         // The restart comes 5 s after the stop, then the policy promotes B again.
         returns_to_cm(&a, &b, Duration::from_secs(40), "connected mode's restart");
         let log = ctl_log(&a);
+
         assert!(
             log.contains("connected mode on") && log.contains("runs again"),
             "A's log does not tell of the restart:\n{log}"
@@ -2483,17 +2494,32 @@ fn watchdog_follows_the_engine(
 
 #[test]
 fn a_panicked_engine_sends_the_flow_ud() {
-    a_wedged_engine_goes_ud("panic", "hwp", 5330);
+    a_wedged_engine_goes_ud("panic", "hwp", 5330, 1);
 }
 
 #[test]
 fn a_stalled_engine_sends_the_flow_ud() {
-    a_wedged_engine_goes_ud("stall", "hws", 5331);
+    a_wedged_engine_goes_ud("stall", "hws", 5331, 1);
 }
 
 #[test]
 fn a_hung_engine_sends_the_flow_ud() {
-    a_wedged_engine_goes_ud("hang", "hwh", 5332);
+    a_wedged_engine_goes_ud("hang", "hwh", 5332, 1);
+}
+
+/// Both nodes on two engine lanes (`--cm-lanes 2`: a two-queue TUN device, an engine thread
+/// per queue): the flow is promoted and crosses intact; A's lanes panic, connected mode stops
+/// (the flow UD) and starts again, and the flow returns to CM.
+#[test]
+fn a_panicked_lane_sends_the_flow_ud_and_connected_mode_restarts() {
+    a_wedged_engine_goes_ud("panic", "hwl", 5333, 2);
+}
+
+/// A's lanes block their threads (not the control loop's, as one engine does): the loop sees
+/// them silent and withholds the heartbeat, so the flow goes UD.
+#[test]
+fn a_hung_lane_sends_the_flow_ud() {
+    a_wedged_engine_goes_ud("hang", "hwm", 5334, 2);
 }
 
 /// A peer that runs no ipoib-hybrid (a mixed cluster during a rolling upgrade): A's setups

@@ -285,7 +285,13 @@ fn steering_puts_each_destination_on_its_queue() {
         "nodad",
     ]);
     run(&["ip", "-n", ns, "link", "set", &dev, "up"]);
+    let t0 = std::time::Instant::now();
     let mut steering = Steering::attach(&queues[1]).expect("steering attached");
+    eprintln!(
+        "the steering program loaded and given in {:?}",
+        t0.elapsed()
+    );
+
     let (to_1, to_0, unknown, v6): (IpAddr, IpAddr, IpAddr, IpAddr) = (
         "10.98.8.2".parse().unwrap(),
         "10.98.8.3".parse().unwrap(),
@@ -341,6 +347,29 @@ fn steering_puts_each_destination_on_its_queue() {
     let seen = udp_by_queue(&queues);
     assert_eq!(seen[0].get(&to_1), Some(&n), "{to_1} cleared: queue 0");
     assert!(seen[1].is_empty(), "queue 1 after the clear: {:?}", seen[1]);
+
+    // A device made later (connected mode started again) gets the program again, its map
+    // emptied of the last device's entries, and steers as the first did.
+    steering.set(to_0, 1).unwrap();
+    drop(steering);
+    drop(queues);
+    let queues = in_netns(ns, || Tun::create_queues("st%d", 2, true).expect("queues"));
+    let dev = queues[0].name().to_string();
+    run(&["ip", "-n", ns, "addr", "add", "10.98.8.1/24", "dev", &dev]);
+    run(&["ip", "-n", ns, "link", "set", &dev, "up"]);
+    let t0 = std::time::Instant::now();
+    let mut steering = Steering::attach(&queues[0]).expect("steering given again");
+    eprintln!("given again in {:?}", t0.elapsed());
+    assert_eq!(steering.get(to_0).unwrap(), None, "the last device's entry");
+    steering.set(unknown, 1).unwrap();
+    send(vec![unknown, to_0]);
+    let seen = udp_by_queue(&queues);
+    assert_eq!(
+        seen[1].get(&unknown),
+        Some(&n),
+        "{unknown} steered on the new device"
+    );
+    assert_eq!(seen[0].get(&to_0), Some(&n), "{to_0}: no entry any more");
     drop(steering);
     drop(queues);
     drop(nss);
