@@ -37,8 +37,8 @@
 //! address to connection) and its per-QP receive counts: the control plane changes routes with
 //! [`EngineCommand`]s through an [`EngineControl`] and hears back [`EngineEvent`]s, so no lock
 //! is taken per packet sent. On rings per connection a received message's ring is found in the
-//! ring pool's table, behind one uncontended lock (the ring's QP is made and dropped on this
-//! same thread).
+//! ring pool's table, behind one lock (taken also where a ring's QP is made or dropped, and by
+//! the other lanes' engines).
 //!
 //! Lanes: the resources may be shared out over several lanes ([`crate::verbs::Lane`]: a CQ
 //! and a range of the send slots each; the SRQ or ring pool shared), a QP made on the lane

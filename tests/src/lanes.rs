@@ -37,22 +37,35 @@ pub struct LanePair {
 
 impl LanePair {
     /// B on `ns` (its handshake address 10.77.`subnet`.2), data addresses 10.98.`net`.1 (A)
-    /// and 10.98.`net`.2 and .3 (B); `lanes` lanes on each node.
-    pub fn start(dev: &str, ns: &Netns, subnet: u8, net: u8, lanes: u32) -> Result<Self> {
+    /// and 10.98.`net`.2 and .3 (B); `lanes` lanes on each node; both nodes receive on an SRQ
+    /// of 512 buffers or, with `rings`, on a ring of 64 per connection.
+    pub fn start(
+        dev: &str,
+        ns: &Netns,
+        (subnet, net): (u8, u8),
+        lanes: u32,
+        rings: bool,
+    ) -> Result<Self> {
         let (a_ip, b_cidr) = (format!("10.98.{net}.1"), format!("10.98.{net}.2/24"));
         let queues = lanes.to_string();
+        let mut b_args = vec!["--tun", &b_cidr, "--peer-ip", &a_ip, "--queues", &queues];
+        let model = if rings {
+            b_args.extend(["--rings", "4", "--depth", "64"]);
+            ReceiveModel::Rings { depth: 64, max: 4 }
+        } else {
+            ReceiveModel::Srq { depth: 512 }
+        };
         let mut peer = Peer::start(
             ns,
             dev,
             format!("10.77.{subnet}.2:4755").parse()?,
             0x49,
-            &["--tun", &b_cidr, "--peer-ip", &a_ip, "--queues", &queues],
+            &b_args,
         );
         let b_tun = peer.expect("engine", Duration::from_secs(10));
         let b_tun = b_tun.split(' ').nth(1).context("B's TUN device")?;
         let second = format!("10.98.{net}.3/24");
         run(&["ip", "-n", &ns.name, "addr", "add", &second, "dev", b_tun]);
-        let model = ReceiveModel::Srq { depth: 512 };
         let node = Arc::new(Verbs::open_lanes(
             dev,
             model,

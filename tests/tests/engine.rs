@@ -349,20 +349,20 @@ fn flow(dst: &'static str, seed: u32, bytes: usize) -> std::thread::JoinHandle<V
 }
 
 /// Two lanes on each node (a two-queue TUN device, an engine on a thread of its own per queue,
-/// a CQ and a share of the send slots each, one SRQ): A connects to B twice, as two nodes
-/// would, the QPs land on different lanes, and each of B's two addresses is routed over one of
-/// them. Two TCP flows to each address at once: every byte arrives, each lane carries its own
-/// address's flows and no packet reaches a lane without its route (the steering program sends
-/// each destination to the queue of its route's lane; the kernel's own spreading by flow hash
-/// would not).
-#[test]
-fn two_lanes_carry_each_destination_on_its_own_queue() {
-    let Some(dev) = device("two_lanes_carry_each_destination_on_its_own_queue") else {
+/// a CQ and a share of the send slots each, one SRQ or a ring per connection): A connects to B
+/// twice, as two nodes would, the QPs land on different lanes, and each of B's two addresses is
+/// routed over one of them. Two TCP flows to each address at once: every byte arrives, each
+/// lane carries its own address's flows and no packet reaches a lane without its route (the
+/// steering program sends each destination to the queue of its route's lane; the kernel's own
+/// spreading by flow hash would not).
+fn two_lanes_carry_each_destination_on_its_own_queue(rings: bool) {
+    let test = "two_lanes_carry_each_destination_on_its_own_queue";
+    let Some(dev) = device(test) else {
         return;
     };
-    let ns = Netns::new("eng2", 6);
+    let ns = Netns::new(if rings { "eng2r" } else { "eng2" }, 6);
     let baseline = rdma_resources(&dev);
-    let mut pair = LanePair::start(&dev, &ns, 6, 2, 2).expect("two nodes on two lanes");
+    let mut pair = LanePair::start(&dev, &ns, (6, 2), 2, rings).expect("two nodes on two lanes");
     let conns = &pair.conns;
     assert_ne!(
         conns[0].qp.lane(),
@@ -450,4 +450,16 @@ fn two_lanes_carry_each_destination_on_its_own_queue() {
     assert!(!out.status.success(), "{tun} outlived the engines");
     drop(peer);
     settle(&dev, &baseline, COUNTED);
+}
+
+#[test]
+fn two_lanes_carry_each_destination_on_its_own_queue_on_an_srq() {
+    two_lanes_carry_each_destination_on_its_own_queue(false);
+}
+
+/// As above, each connection receiving on a ring of its own (an HCA without an SRQ): each
+/// lane's engine finds its received messages' rings in the pool the lanes share.
+#[test]
+fn two_lanes_carry_each_destination_on_its_own_queue_on_rings() {
+    two_lanes_carry_each_destination_on_its_own_queue(true);
 }

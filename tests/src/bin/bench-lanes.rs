@@ -106,7 +106,7 @@ fn server(ns: &str, port: u16) -> Result<Child> {
 
 fn measure(dev: &str, ns: &Netns, lanes: u32, secs: u32, streams: u32) -> Result<Run> {
     let baseline = rdma_resources(dev);
-    let pair = LanePair::start(dev, ns, 8, 3, lanes)?;
+    let pair = LanePair::start(dev, ns, (8, 3), lanes, false)?;
     let mut servers = [server(&ns.name, 5211)?, server(&ns.name, 5212)?];
     std::thread::sleep(Duration::from_millis(300));
     let b_stat = format!("/proc/{}/stat", pair.peer.child.id());

@@ -128,7 +128,7 @@ fn events(c: &mut EngineCore<Qp>) -> Vec<EngineEvent> {
 }
 
 fn stat(c: &EngineCore<Qp>, name: &str) -> u64 {
-    c.stats
+    c.stats()
         .snapshot()
         .into_iter()
         .find(|(k, _)| *k == name)
