@@ -93,7 +93,7 @@ impl Loaded {
 }
 
 /// The steering program, given to one TUN device, and its map. Dropped, it is kept for the
-/// next device (see [`LOADED`]).
+/// next device (the program is loaded once per process).
 pub struct Steering(Option<Loaded>);
 
 impl Drop for Steering {

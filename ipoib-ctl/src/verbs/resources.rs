@@ -304,34 +304,12 @@ fn lane_slots(slots: u32, lanes: u32, lane: u32) -> std::ops::Range<u32> {
 
 impl Resources {
     /// On `port` of `dev` (its first GID that is set), QPs in the partition at `pkey_index` of
-    /// the port's P_Key table: receives of `buffer_bytes` as `model`
-    /// says (an SRQ with every buffer posted, or a pool that registers a ring per
-    /// connection), `send_slots` send slots, every buffer `stride` bytes apart, and one lane.
-    pub fn create(
-        dev: &Device,
-        port: u8,
-        pkey_index: u16,
-        model: ReceiveModel,
-        buffer_bytes: u32,
-        send_slots: u32,
-        stride: u64,
-    ) -> Result<Arc<Self>, VerbsError> {
-        Self::create_lanes(
-            dev,
-            port,
-            pkey_index,
-            model,
-            buffer_bytes,
-            send_slots,
-            stride,
-            1,
-        )
-    }
-
-    /// As [`Resources::create`], with `lanes` lanes (at least one, at most one per send slot)
-    /// sharing the send slots out. Each lane's CQ is deep enough for every receive that may be
-    /// posted (any of them may complete on any lane) and its sends (twice: a slot may complete
-    /// in error after a flush).
+    /// the port's P_Key table: receives of `buffer_bytes` as `model` says (an SRQ with every
+    /// buffer posted, or a pool that registers a ring per connection), `send_slots` send
+    /// slots, every buffer `stride` bytes apart, and `lanes` lanes (at least one, at most one
+    /// per send slot) sharing the send slots out. Each lane's CQ is deep enough for every
+    /// receive that may be posted (any of them may complete on any lane) and its sends (twice:
+    /// a slot may complete in error after a flush).
     #[allow(clippy::too_many_arguments)]
     pub fn create_lanes(
         dev: &Device,
@@ -447,7 +425,7 @@ pub struct PortAddress {
     /// RoCE: addressing by GID (a GRH on every packet), no LIDs.
     pub ethernet: bool,
     /// Where the partition's P_Key sits in the port's table: local, for this side's QPs
-    /// (0, the default partition, unless [`Resources::create`] was given another).
+    /// (0, the default partition, unless [`Resources::create_lanes`] was given another).
     pub pkey_index: u16,
 }
 
