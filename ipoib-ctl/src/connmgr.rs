@@ -1317,6 +1317,10 @@ fn spawn_engine(mut engines: Vec<Engine>) -> (EngineTask, mpsc::UnboundedReceive
             }
             let first = lanes.join_next().await;
             let _ = stop_all.send(true);
+            // The others end on the stop, their engines and TUN queues dropped; one that does
+            // not within a second (hung) is left to end with the process.
+            let rest = async { while lanes.join_next().await.is_some() {} };
+            let _ = tokio::time::timeout(Duration::from_secs(1), rest).await;
             match first {
                 Some(Ok(r)) => r,
                 Some(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -1334,10 +1338,14 @@ fn spawn_engine(mut engines: Vec<Engine>) -> (EngineTask, mpsc::UnboundedReceive
     (t, events)
 }
 
-/// An engine per lane of `res`, one per TUN queue. Off the loop's thread: with several lanes
-/// this gives the device the steering program (loaded the first time: tens of ms on a real
-/// CPU, seconds under emulation).
+/// An engine per lane of `res`, one per TUN queue. One lane's on this thread (a node on one
+/// lane runs one thread per interface); several lanes' off it, since that gives the device the
+/// steering program (loaded the first time: tens of ms on a real CPU, seconds under
+/// emulation).
 async fn make_engines(queues: Vec<Tun>, res: Arc<Resources>) -> Result<Vec<Engine>, CmError> {
+    if queues.len() == 1 {
+        return Ok(Engine::lanes(queues, res, EngineConfig::default())?);
+    }
     tokio::task::spawn_blocking(move || Engine::lanes(queues, res, EngineConfig::default()))
         .await
         .map_err(|e| CmError::Io(io::Error::other(format!("making the engines: {e}"))))?
