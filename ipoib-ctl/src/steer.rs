@@ -51,7 +51,7 @@ pub enum SteerError {
 /// interface): a device made later, when connected mode starts again, is given the same
 /// program with its map emptied, without the load's cost again (tens of milliseconds of
 /// parsing, seconds under emulation, on the control loop's restart). Kept until the process
-/// ends, like the fast path's programs.
+/// ends (its map's kernel memory with it), unpinned.
 static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
 
 struct Loaded {
