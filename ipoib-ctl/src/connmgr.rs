@@ -832,8 +832,8 @@ impl Manager {
         }
         self.looked_at = now;
         let awake = Duration::from_nanos(now.saturating_sub(self.awake_since));
-        let silent = self.engine.stats.iter().map(|s| s.silent_for(now)).max();
-        silent.unwrap_or_default().min(awake)
+        let lanes = EngineStats::total(self.engine.stats.iter().map(|s| &**s));
+        lanes.silent_for(now).min(awake)
     }
 
     /// Handles one input, then carries out what the core decided.
@@ -1357,20 +1357,13 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// Runs one lane's engine on a thread of its own (a current-thread runtime of its own) until
-/// `stop`; its result, or its panic, once it ends.
-async fn on_thread(mut engine: Engine, stop: watch::Receiver<bool>) -> Result<(), EngineError> {
+/// Runs one lane's engine on a thread of its own until `stop`; its result, or its panic,
+/// once it ends.
+async fn on_thread(engine: Engine, stop: watch::Receiver<bool>) -> Result<(), EngineError> {
     let lane = engine.lane();
     let (tx, rx) = oneshot::channel();
-    std::thread::Builder::new()
-        .name(format!("engine-{lane}"))
-        .spawn(move || {
-            let r = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| EngineError::Lane(format!("its runtime: {e}")))
-                .and_then(|rt| rt.block_on(engine.run(stopped(stop))));
-            drop(engine);
+    engine
+        .spawn_thread(stopped(stop), move |r| {
             let _ = tx.send(r);
         })
         .map_err(|e| EngineError::Lane(format!("lane {lane}'s thread: {e}")))?;

@@ -555,6 +555,27 @@ impl Engine {
         rx
     }
 
+    /// Runs on a thread of its own (named `engine-LANE`, with a current-thread runtime of its
+    /// own) until `stop`, then is dropped, its TUN queue with it; `done` is given how the run
+    /// ended. A panic ends the thread without calling `done`.
+    pub fn spawn_thread(
+        mut self,
+        stop: impl std::future::Future<Output = ()> + Send + 'static,
+        done: impl FnOnce(Result<(), EngineError>) + Send + 'static,
+    ) -> io::Result<std::thread::JoinHandle<()>> {
+        std::thread::Builder::new()
+            .name(format!("engine-{}", self.lane()))
+            .spawn(move || {
+                let r = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| EngineError::Lane(format!("its runtime: {e}")))
+                    .and_then(|rt| rt.block_on(self.run(stop)));
+                drop(self);
+                done(r);
+            })
+    }
+
     /// Reports into `tx` (the engines of several lanes into one channel).
     pub fn report_to(&mut self, tx: mpsc::UnboundedSender<EngineEvent>) {
         self.io.events = Some(tx);

@@ -149,8 +149,9 @@ impl Steering {
     }
 
     /// The queue `ip` is steered to (`None`: no entry, queue 0).
-    pub fn get(&mut self, ip: IpAddr) -> Result<Option<u32>, SteerError> {
-        match self.loaded().queues.get(&PeerKey::from(ip), 0) {
+    pub fn get(&self, ip: IpAddr) -> Result<Option<u32>, SteerError> {
+        let loaded = self.0.as_ref().expect("held until dropped");
+        match loaded.queues.get(&PeerKey::from(ip), 0) {
             Ok(q) => Ok(Some(q)),
             Err(MapError::KeyNotFound) => Ok(None),
             Err(e) => Err(e.into()),

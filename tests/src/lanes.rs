@@ -104,20 +104,14 @@ impl LanePair {
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
         let threads = engines
             .into_iter()
-            .map(|mut engine| {
+            .map(|engine| {
                 let mut stop = stop_rx.clone();
-                std::thread::spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .expect("a runtime");
-                    rt.block_on(engine.run(async move {
-                        let _ = stop.wait_for(|s| *s).await;
-                    }))
-                    .expect("a lane's engine");
-                })
+                let stopped = async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                };
+                engine.spawn_thread(stopped, |r| r.expect("a lane's engine"))
             })
-            .collect();
+            .collect::<std::io::Result<_>>()?;
         Ok(Self {
             peer,
             node,

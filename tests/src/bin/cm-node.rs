@@ -153,17 +153,13 @@ fn main() -> Result<()> {
         if let Some(first) = engines.first() {
             println!("engine {}", first.tun_name());
             let stats: Vec<_> = engines.iter().map(Engine::stats).collect();
-            for mut engine in engines {
+            for engine in engines {
                 // Each lane's engine on a thread of its own, as many as there are queues.
-                std::thread::spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .expect("a runtime");
-                    if let Err(e) = rt.block_on(engine.run(std::future::pending())) {
+                engine.spawn_thread(std::future::pending(), |r| {
+                    if let Err(e) = r {
                         println!("failed engine: {e}");
                     }
-                });
+                })?;
             }
             // Counters once a second, for the tests: all lanes' as one.
             tokio::spawn(async move {
