@@ -377,6 +377,42 @@ fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError
     Ok((hca, ledger))
 }
 
+/// [`open_hca`] on a thread of its own, which ends with it: registering and posting the
+/// receive buffers takes its time (0.3-0.6 s for an SRQ on soft-RoCE, more for a large one on an
+/// HCA), and the control loop's thread goes on beating meanwhile. Not the runtime's blocking
+/// pool: its threads outlive the work by seconds, and a node runs one thread per interface.
+async fn open_hca_apart(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
+    let slow = opts.test_faults.then(|| test_setup_delay(iface)).flatten();
+    let (iface, opts) = (iface.to_string(), opts.clone());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("cm-setup".into())
+        .spawn(move || {
+            if let Some(d) = slow {
+                std::thread::sleep(d);
+            }
+            // The receiver is gone only when the start was dropped: what was made is freed
+            // here.
+            let _ = tx.send(open_hca(&iface, &opts));
+        })?;
+    rx.await
+        .map_err(|_| io::Error::other("setting up the HCA: its thread panicked"))?
+}
+
+/// Tests only (`--test-faults`): the milliseconds in `RUN_DIR/IFACE.setup-delay` are added
+/// to each start's HCA setup, as a large SRQ's registration takes seconds on real hardware.
+fn test_setup_delay(iface: &str) -> Option<Duration> {
+    let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.setup-delay"));
+    let text = std::fs::read_to_string(&path).ok()?;
+    match text.trim().parse() {
+        Ok(ms) => Some(Duration::from_millis(ms)),
+        Err(e) => {
+            tracing::warn!("{}: {e}", path.display());
+            None
+        }
+    }
+}
+
 fn open_device(name: &str) -> Result<Device, CmError> {
     Device::open(name).map_err(|e| match e {
         VerbsError::NoDevices => CmError::NoDevice(name.to_string()),
@@ -702,7 +738,7 @@ impl Manager {
             opts.device,
             opts.port
         );
-        let (hca, ledger) = open_hca(iface, &opts)?;
+        let (hca, ledger) = open_hca_apart(iface, &opts).await?;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
         let listener = listen(iface, opts.ctl_port)?;
         let rtnl = Arc::new(Rtnl::new()?);

@@ -138,7 +138,13 @@ async fn start_cm(
     }
 }
 
-/// The loop proper; true when it ended because the interface was detached.
+/// A start of connected mode under way (it owns what it borrows).
+type Starting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Manager, CmError>>>>;
+
+/// The loop proper; true when it ended because the interface was detached. A restart of
+/// connected mode runs beside the loop's other branches: the heartbeat, the signals and the
+/// metrics go on while the HCA is set up (the receive buffers' registration and posting are
+/// on a thread of their own, the rest is awaited).
 async fn run_loop(
     iface: &str,
     att: &mut Attached,
@@ -156,16 +162,19 @@ async fn run_loop(
     let beat = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(beat);
     let mut withheld = false;
-    loop {
+    let mut starting: Option<Starting> = None;
+    let ended = loop {
         tokio::select! {
-            _ = int.recv() => return Ok(false),
-            _ = term.recv() => return Ok(false),
+            _ = int.recv() => break Ok(false),
+            _ = term.recv() => break Ok(false),
             _ = &mut beat => {
                 if !attach::is_attached(iface) {
-                    return Ok(true);
+                    break Ok(true);
                 }
-                let next = heartbeat(att, manager.as_mut(), &mut withheld, notify)?;
-                beat.as_mut().reset(tokio::time::Instant::now() + next);
+                match heartbeat(att, manager.as_mut(), &mut withheld, notify) {
+                    Ok(next) => beat.as_mut().reset(tokio::time::Instant::now() + next),
+                    Err(e) => break Err(e),
+                }
             }
             _ = slots_tick.tick() => assign_slots(iface, att, &mut slots_short),
             _ = metrics_tick.tick(), if metrics.is_some() => {
@@ -183,17 +192,37 @@ async fn run_loop(
                     beat.as_mut().reset(tokio::time::Instant::now());
                 }
             }
-            _ = restart_due(restart.as_ref().map(|(_, b)| b)), if manager.is_none() => {
+            _ = restart_due(restart.as_ref().map(|(_, b)| b)),
+                if manager.is_none() && starting.is_none() => {
                 if let Some((options, backoff)) = restart.as_mut() {
-                    // The start holds this thread (0.6 s to post an SRQ's buffers on
-                    // soft-RoCE): a beat just before it and one just after, so the watchdog
-                    // waits no longer than the start.
-                    heartbeat(att, None, &mut withheld, notify)?;
-                    *manager = restart_cm(iface, options, backoff, notify).await;
+                    starting = begin_restart(iface, options, backoff, notify);
+                }
+            }
+            started = start_done(&mut starting) => {
+                starting = None;
+                if let Some((_, backoff)) = restart.as_mut() {
+                    *manager = restart_done(iface, started, backoff, notify);
+                    // The heartbeat says at once that connected mode runs again.
                     beat.as_mut().reset(tokio::time::Instant::now());
                 }
             }
         }
+    };
+    // A start under way is finished, not dropped halfway (it changes the interface's GSO and
+    // the peers' entries as it goes): the caller then stops it as any running connected mode.
+    if let Some(s) = starting.take()
+        && let Ok(m) = s.await
+    {
+        *manager = Some(m);
+    }
+    ended
+}
+
+/// What a start under way ends with; never without one.
+async fn start_done(starting: &mut Option<Starting>) -> Result<Manager, CmError> {
+    match starting {
+        Some(s) => s.await,
+        None => std::future::pending().await,
     }
 }
 
@@ -221,13 +250,14 @@ async fn cm_stopped(
     }
 }
 
-/// Starts connected mode again; None (and the next try set) when it does not start.
-async fn restart_cm(
+/// The start of connected mode again, due now; None (and the next try set) while what the
+/// last one left is not gone.
+fn begin_restart(
     iface: &str,
     options: &CmOptions,
     backoff: &mut Backoff,
     notify: &mut Notifier,
-) -> Option<Manager> {
+) -> Option<Starting> {
     if let Some(r) = backoff.remains.take_if(|r| !r.gone()) {
         backoff.remains = Some(r);
         if backoff.postpone(std::time::Instant::now()) {
@@ -239,7 +269,23 @@ async fn restart_cm(
         }
         return None;
     }
-    match Manager::start(iface, &attach::pin_dir(iface), options.clone()).await {
+    notify.status(&format!(
+        "{iface}: connected mode starting again, every peer on UD meanwhile"
+    ));
+    let (iface, options) = (iface.to_string(), options.clone());
+    Some(Box::pin(async move {
+        Manager::start(&iface, &attach::pin_dir(&iface), options).await
+    }))
+}
+
+/// A start of connected mode again ended: the manager, or None and the next try set.
+fn restart_done(
+    iface: &str,
+    started: Result<Manager, CmError>,
+    backoff: &mut Backoff,
+    notify: &mut Notifier,
+) -> Option<Manager> {
+    match started {
         Ok(m) => {
             backoff.started(std::time::Instant::now());
             tracing::info!("connected mode on {iface} runs again");

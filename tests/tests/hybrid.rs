@@ -2270,6 +2270,12 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
         "A's engine threads with {lanes} lane(s)"
     );
     let deadline = Duration::from_nanos(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
+    if fault == "panic" {
+        // The restart's HCA setup takes 2 s more, as a large SRQ's would on an HCA: the loop
+        // must beat on meanwhile.
+        let delay = format!("/run/ipoib-ctl/{}.setup-delay", a.iface);
+        std::fs::write(delay, SETUP_DELAY.as_millis().to_string()).unwrap();
+    }
     std::fs::write(format!("/run/ipoib-ctl/{}.fault", a.iface), fault).unwrap();
     let t = Instant::now();
     // UD for B's big packets: the map says so, or the fail-safe does.
@@ -2318,6 +2324,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact", sent >> 20);
     watchdog_follows_the_engine(&sock, fault, t, period);
+    let _ = std::fs::remove_file(format!("/run/ipoib-ctl/{}.setup-delay", a.iface));
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }
@@ -2508,8 +2515,72 @@ fn watchdog_follows_the_engine(
                     .any(|s| s.contains("connected mode up again")),
                 "{statuses:?}"
             );
+            restart_beside_the_loop(sock, faulted, before, period);
         }
     }
+}
+
+/// What `--test-faults` adds to a restart's HCA setup in the panic tests.
+const SETUP_DELAY: Duration = Duration::from_secs(2);
+
+/// The restart of connected mode ran beside the loop: from "starting again" to "up again"
+/// (at least [`SETUP_DELAY`]) the watchdog was fed as at any other time. A start that held
+/// the loop's thread (as it did, 0.35-1.1 s in the VM without the delay) leaves a gap of the
+/// whole start.
+fn restart_beside_the_loop(
+    sock: &ipoib_tests::notify::NotifySocket,
+    faulted: Instant,
+    before: Duration,
+    period: Duration,
+) {
+    let msgs = sock.messages();
+    let status_at = |what: &str| {
+        msgs.iter()
+            .find(|m| m.at > faulted && m.get("STATUS").is_some_and(|s| s.contains(what)))
+            .map(|m| m.at)
+            .unwrap_or_else(|| panic!("no STATUS of {what:?} after the fault"))
+    };
+    let (began, up) = (
+        status_at("connected mode starting again"),
+        status_at("connected mode up again"),
+    );
+    let pings: Vec<Instant> = msgs
+        .iter()
+        .filter(|m| m.has("WATCHDOG=1"))
+        .map(|m| m.at)
+        .collect();
+    // From the last ping before the start to the first one once it is up.
+    let from = pings
+        .iter()
+        .rev()
+        .find(|&&t| t <= began)
+        .copied()
+        .expect("a ping before");
+    let to = pings
+        .iter()
+        .find(|&&t| t >= up)
+        .copied()
+        .expect("a ping after");
+    let gap = sock.longest_gap("WATCHDOG=1", from, to);
+    let during = pings.iter().filter(|&&t| t > began && t < up).count();
+    // The loop beats a third of the period apart; `before` is how late it ran under load.
+    let most = before.max(period / 3) + period / 10;
+    assert!(
+        up - began >= SETUP_DELAY,
+        "the start took {:.2?}, less than the setup delay",
+        up - began
+    );
+    eprintln!(
+        "restart: {:.2?} from starting to up, {during} WATCHDOG=1 meanwhile, longest gap \
+         {gap:.2?} (at most {most:.2?})",
+        up - began
+    );
+    assert!(
+        gap <= most,
+        "the restart held the loop: a gap of {gap:.2?} in the watchdog around a start of \
+         {:.2?} ({during} pings during it)",
+        up - began
+    );
 }
 
 #[test]
