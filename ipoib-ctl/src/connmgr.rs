@@ -377,39 +377,21 @@ fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError
     Ok((hca, ledger))
 }
 
-/// [`open_hca`] on a thread of its own, which ends with it: registering and posting the
-/// receive buffers takes its time (0.3-0.6 s for an SRQ on soft-RoCE, more for a large one on an
-/// HCA), and the control loop's thread goes on beating meanwhile. Not the runtime's blocking
-/// pool: its threads outlive the work by seconds, and a node runs one thread per interface.
-async fn open_hca_apart(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
-    let slow = opts.test_faults.then(|| test_setup_delay(iface)).flatten();
-    let (iface, opts) = (iface.to_string(), opts.clone());
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("cm-setup".into())
-        .spawn(move || {
-            if let Some(d) = slow {
-                std::thread::sleep(d);
-            }
-            // The receiver is gone only when the start was dropped: what was made is freed
-            // here.
-            let _ = tx.send(open_hca(&iface, &opts));
-        })?;
-    rx.await
-        .map_err(|_| io::Error::other("setting up the HCA: its thread panicked"))?
-}
-
-/// Tests only (`--test-faults`): the milliseconds in `RUN_DIR/IFACE.setup-delay` are added
-/// to each start's HCA setup, as a large SRQ's registration takes seconds on real hardware.
-fn test_setup_delay(iface: &str) -> Option<Duration> {
-    let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.setup-delay"));
-    let text = std::fs::read_to_string(&path).ok()?;
+/// Tests only (`--test-faults`): each start of connected mode waits after the HCA's setup,
+/// awaited as its netlink work is, the milliseconds in `RUN_DIR/IFACE.start-delay`: what a
+/// slow start does to the control loop, which goes on beside it.
+async fn test_start_delay(iface: &str, opts: &CmOptions) {
+    let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.start-delay"));
+    let Some(text) = opts
+        .test_faults
+        .then(|| std::fs::read_to_string(&path).ok())
+        .flatten()
+    else {
+        return;
+    };
     match text.trim().parse() {
-        Ok(ms) => Some(Duration::from_millis(ms)),
-        Err(e) => {
-            tracing::warn!("{}: {e}", path.display());
-            None
-        }
+        Ok(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+        Err(e) => tracing::warn!("{}: {e}", path.display()),
     }
 }
 
@@ -733,12 +715,12 @@ impl Manager {
     /// returns Ok, connected mode runs and every stale CM entry is reset to UD. Must be called
     /// inside a tokio runtime.
     pub async fn start(iface: &str, pin_dir: &Path, opts: CmOptions) -> Result<Self, CmError> {
-        tracing::info!(
-            "starting connected mode on {iface}: {} port {}",
-            opts.device,
-            opts.port
-        );
-        let (hca, ledger) = open_hca_apart(iface, &opts).await?;
+        let (dev, port) = (&opts.device, opts.port);
+        tracing::info!("starting connected mode on {iface}: {dev} port {port}");
+        // Blocking, on the loop's thread (the kernel counts what a thread makes as that
+        // thread's: `rdma res` by PID); 0.3 s on soft-RoCE. What follows is awaited.
+        let (hca, ledger) = open_hca(iface, &opts)?;
+        test_start_delay(iface, &opts).await;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
         let listener = listen(iface, opts.ctl_port)?;
         let rtnl = Arc::new(Rtnl::new()?);

@@ -142,9 +142,9 @@ async fn start_cm(
 type Starting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Manager, CmError>>>>;
 
 /// The loop proper; true when it ended because the interface was detached. A restart of
-/// connected mode runs beside the loop's other branches: the heartbeat, the signals and the
-/// metrics go on while the HCA is set up (the receive buffers' registration and posting are
-/// on a thread of their own, the rest is awaited).
+/// connected mode runs beside the loop's other branches: past its first step (the HCA's
+/// setup, which blocks), the heartbeat, the signals and the metrics go on while it awaits the
+/// TUN device, netlink and the rest.
 async fn run_loop(
     iface: &str,
     att: &mut Attached,
@@ -195,7 +195,12 @@ async fn run_loop(
             _ = restart_due(restart.as_ref().map(|(_, b)| b)),
                 if manager.is_none() && starting.is_none() => {
                 if let Some((options, backoff)) = restart.as_mut() {
-                    starting = begin_restart(iface, options, backoff, notify);
+                    // The start's first step, the HCA's setup, holds this thread (0.3 s on
+                    // soft-RoCE): a beat just before it bounds the watchdog's wait.
+                    match heartbeat(att, None, &mut withheld, notify) {
+                        Ok(_) => starting = begin_restart(iface, options, backoff, notify),
+                        Err(e) => break Err(e),
+                    }
                 }
             }
             started = start_done(&mut starting) => {
@@ -208,14 +213,19 @@ async fn run_loop(
             }
         }
     };
-    // A start under way is finished, not dropped halfway (it changes the interface's GSO and
-    // the peers' entries as it goes): the caller then stops it as any running connected mode.
-    if let Some(s) = starting.take()
+    finish_start(starting, manager).await;
+    ended
+}
+
+/// A start under way when the loop ends is finished, not dropped halfway (it changes the
+/// interface's GSO and the peers' entries as it goes): the caller then stops it as any
+/// running connected mode.
+async fn finish_start(starting: Option<Starting>, manager: &mut Option<Manager>) {
+    if let Some(s) = starting
         && let Ok(m) = s.await
     {
         *manager = Some(m);
     }
-    ended
 }
 
 /// What a start under way ends with; never without one.

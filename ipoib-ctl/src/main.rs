@@ -206,8 +206,8 @@ struct CmArgs {
     cm_lanes: u32,
     /// Tests only: break the engine on request (`panic`, `stall`, `hang` or `pause MS` written into
     /// /run/ipoib-ctl/IFACE.fault), or end the handshake listener's task (`listener`), to prove
-    /// the control loop catches it; and slow each start's HCA setup by the milliseconds in
-    /// /run/ipoib-ctl/IFACE.setup-delay.
+    /// the control loop catches it; and have each start of connected mode wait the
+    /// milliseconds in /run/ipoib-ctl/IFACE.start-delay after the HCA's setup.
     #[arg(long, hide = true)]
     test_faults: bool,
 }
