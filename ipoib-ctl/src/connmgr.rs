@@ -717,8 +717,8 @@ impl Manager {
     pub async fn start(iface: &str, pin_dir: &Path, opts: CmOptions) -> Result<Self, CmError> {
         let (dev, port) = (&opts.device, opts.port);
         tracing::info!("starting connected mode on {iface}: {dev} port {port}");
-        // Blocking, on the loop's thread (the kernel counts what a thread makes as that
-        // thread's: `rdma res` by PID); 0.3 s on soft-RoCE. What follows is awaited.
+        // Blocking, on the loop's thread (made on another, the SRQ's region was missing from
+        // `rdma resource show mr` under our PID); 0.3 s on soft-RoCE. What follows is awaited.
         let (hca, ledger) = open_hca(iface, &opts)?;
         test_start_delay(iface, &opts).await;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
