@@ -206,8 +206,13 @@ pub fn pin_dir(iface: &str) -> PathBuf {
     Path::new(PIN_ROOT).join(iface)
 }
 
+/// The file `IFACE.SUFFIX` of [`RUN_DIR`]: what a running attach of `iface` keeps there.
+pub fn run_file(iface: &str, suffix: &str) -> PathBuf {
+    Path::new(RUN_DIR).join(format!("{iface}.{suffix}"))
+}
+
 pub fn state_path(iface: &str) -> PathBuf {
-    Path::new(RUN_DIR).join(format!("{iface}.json"))
+    run_file(iface, "json")
 }
 
 pub fn read_state(iface: &str) -> Option<AttachState> {

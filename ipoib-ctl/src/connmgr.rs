@@ -236,7 +236,7 @@ pub struct CmStatus {
 
 /// Where `iface`'s control loop writes its CM status.
 pub fn status_path(iface: &str) -> PathBuf {
-    PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.cm.json"))
+    crate::attach::run_file(iface, "cm.json")
 }
 
 /// The CM status of `iface` as its control loop last wrote it.
@@ -381,7 +381,7 @@ fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError
 /// awaited as its netlink work is, the milliseconds in `RUN_DIR/IFACE.start-delay`: what a
 /// slow start does to the control loop, which goes on beside it.
 async fn test_start_delay(iface: &str, opts: &CmOptions) {
-    let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{iface}.start-delay"));
+    let path = crate::attach::run_file(iface, "start-delay");
     let Some(text) = opts
         .test_faults
         .then(|| std::fs::read_to_string(&path).ok())
@@ -905,7 +905,7 @@ impl Manager {
     /// Tests only: a fault written into `RUN_DIR/IFACE.fault` goes to the engine, or, for
     /// `listener`, ends the handshake listener's task.
     fn take_test_fault(&self) {
-        let path = PathBuf::from(crate::attach::RUN_DIR).join(format!("{}.fault", self.iface));
+        let path = crate::attach::run_file(&self.iface, "fault");
         let Ok(text) = std::fs::read_to_string(&path) else {
             return;
         };

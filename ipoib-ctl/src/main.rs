@@ -429,7 +429,7 @@ fn cmd_attach(
 }
 
 fn lock_path(iface: &str) -> PathBuf {
-    PathBuf::from(attach::RUN_DIR).join(format!("{iface}.lock"))
+    attach::run_file(iface, "lock")
 }
 
 fn control_loop(
