@@ -195,7 +195,7 @@ async fn run_loop(
             _ = restart_due(restart.as_ref().map(|(_, b)| b)),
                 if manager.is_none() && starting.is_none() => {
                 if let Some((options, backoff)) = restart.as_mut() {
-                    // The start's first step, the HCA's setup, holds this thread (0.3 s on
+                    // The start's first step, the HCA's setup, holds this thread (0.2-0.4 s on
                     // soft-RoCE): a beat just before it bounds the watchdog's wait.
                     match heartbeat(att, None, &mut withheld, notify) {
                         Ok(_) => starting = begin_restart(iface, options, backoff, notify),

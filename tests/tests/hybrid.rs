@@ -2315,6 +2315,12 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
         // The restart comes 5 s after the stop, then the policy promotes B again.
         returns_to_cm(&a, &b, Duration::from_secs(40), "connected mode's restart");
         let log = ctl_log(&a);
+        for line in log
+            .lines()
+            .filter(|l| l.contains("started in") || l.contains("set up in"))
+        {
+            eprintln!("A: {line}");
+        }
 
         assert!(
             log.contains("connected mode on") && log.contains("runs again"),
@@ -2525,7 +2531,7 @@ const START_DELAY: Duration = Duration::from_secs(2);
 
 /// The restart of connected mode ran beside the loop: from "starting again" to "up again"
 /// (at least [`START_DELAY`]) the watchdog was fed as at any other time, but for the HCA's
-/// setup (0.3 s in the VM), which comes just after a beat. A start that held the loop's
+/// setup (0.2-0.4 s in the VM), which comes just after a beat. A start that held the loop's
 /// thread throughout (as it did, 0.35-1.1 s in the VM without the delay) leaves a gap of the
 /// whole start.
 fn restart_beside_the_loop(
