@@ -60,6 +60,7 @@ enum Cmd {
                             The policy file holds set-policy's KEY=VALUE settings, one per \
                             line, # comments.")]
     Attach {
+        /// The IPoIB interface (or, in the lab, the Ethernet stand-in), e.g. ib0.
         iface: String,
         /// Policy file (KEY=VALUE lines, as set-policy takes them).
         #[arg(long, value_name = "FILE")]
@@ -81,7 +82,10 @@ enum Cmd {
     },
     /// Remove the programs, links and pins from IFACE; traffic keeps flowing on UD.
     #[command(after_help = "Example:\n  ipoib-ctl detach ib0")]
-    Detach { iface: String },
+    Detach {
+        /// The IPoIB interface (or, in the lab, the Ethernet stand-in), e.g. ib0.
+        iface: String,
+    },
     /// Change the policy in force on IFACE; the change is validated whole before any write.
     #[command(after_help = "Keys:\n  \
         mode=auto|datagram|connected   interface-wide mode (default auto: CM for busy peers where UD costs the CPU per datagram, none by rate where the device segments (TSO); connected: CM for every active peer within the plan)\n  \
@@ -96,7 +100,9 @@ enum Cmd {
         ipoib-ctl set-policy ib0 cm-threshold=4096 peer=10.0.0.7:ud peer=[fd00::9]:block\n  \
         ipoib-ctl set-policy ib0 --file /etc/ipoib-ctl/ib0.policy")]
     SetPolicy {
+        /// The IPoIB interface (or, in the lab, the Ethernet stand-in), e.g. ib0.
         iface: String,
+        /// Settings to change (the keys below); the others keep their value.
         #[arg(required_unless_present = "file", value_name = "KEY=VALUE")]
         settings: Vec<String>,
         /// Take the settings from a policy file first (KEY=VALUE lines, # comments), then
@@ -110,14 +116,18 @@ enum Cmd {
     #[command(after_help = "Examples:\n  ipoib-ctl show-policy ib0 --json\n  \
                             ipoib-ctl show-policy ib0 > /etc/ipoib-ctl/ib0.policy")]
     ShowPolicy {
+        /// The IPoIB interface (or, in the lab, the Ethernet stand-in), e.g. ib0.
         iface: String,
+        /// Print JSON instead of text, for scripts.
         #[arg(long)]
         json: bool,
     },
     /// Per-interface state, decisions by reason, and peers (all attached interfaces by default).
     #[command(after_help = "Examples:\n  ipoib-ctl status\n  ipoib-ctl status ib0 --json")]
     Status {
+        /// Only this interface (default: every attached one).
         iface: Option<String>,
+        /// Print JSON instead of text, for scripts: an array, one object per interface.
         #[arg(long)]
         json: bool,
     },
@@ -128,6 +138,7 @@ enum Cmd {
                             Exits 5 where there is no RDMA device."
     )]
     Caps {
+        /// Print JSON instead of text, for scripts.
         #[arg(long)]
         json: bool,
         /// Plan with this budget instead of the automatic one (4MiB..1TiB).
@@ -142,6 +153,7 @@ enum Cmd {
         ipoib-ctl completions bash > /usr/share/bash-completion/completions/ipoib-ctl\n  \
         ipoib-ctl completions zsh > /usr/share/zsh/vendor-completions/_ipoib-ctl")]
     Completions {
+        /// The shell the script is for.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
@@ -152,7 +164,9 @@ enum Cmd {
     /// Per-peer mode, pin and traffic by path on IFACE.
     #[command(after_help = "Example:\n  ipoib-ctl peers ib0 --json")]
     Peers {
+        /// The IPoIB interface (or, in the lab, the Ethernet stand-in), e.g. ib0.
         iface: String,
+        /// Print JSON instead of text, for scripts.
         #[arg(long)]
         json: bool,
     },
