@@ -14,7 +14,10 @@
 //! posted per second, from A's engine counters) against `ib_send_bw` between the same two
 //! namespaces on the same device, with the engine's mean message size, 1 QP and the engine's
 //! window: how much of the raw RC message rate the engine carries while the kernel's TCP runs
-//! on both ends. The result is one JSON line after `BENCH-JSON `.
+//! on both ends. Then `ib_send_bw` once more, while a TCP flow crosses from A to B over UD at
+//! the CM run's rate: the yardstick with neighbours like the engine's, so what the neighbours
+//! take from the device's rate is told apart from what the engine costs. The result is one
+//! JSON line after `BENCH-JSON `.
 //!
 //! Each run also says where the CPUs went (user, system, interrupts and softirqs, and each
 //! node's `ipoib-ctl`), and each round the sender's CPU time per message: A's `ipoib-ctl`
@@ -229,6 +232,7 @@ struct PerfRound {
     engine: Run,
     polling: SendBwRate,
     events: SendBwRate,
+    beside: Beside,
 }
 
 impl PerfRound {
@@ -263,6 +267,57 @@ fn rnr_naks() -> Option<u64> {
 /// A run's RNR NAKs, or "?" where the device does not count them.
 fn naks(r: &Run) -> String {
     r.rnr_naks.map_or("?".into(), |n| n.to_string())
+}
+
+/// `ib_send_bw` measured again while a TCP flow crosses from A to B over UD (the lab's veth)
+/// at the CM run's rate: the yardstick with neighbours like the engine's (iperf3's ends and
+/// both nodes' TCP stacks on the same two vCPUs), to tell what the neighbours take from the
+/// device's rate apart from what the engine does.
+#[derive(Clone, Copy, Debug)]
+struct Beside {
+    perf: SendBwRate,
+    /// The flow's rate over UD while `ib_send_bw` ran, from A's fast-path counters.
+    flow_mbit_s: f64,
+}
+
+fn send_bw_beside_flow(
+    a: &Node,
+    b: &Node,
+    perftest: &SendBw,
+    iters: u64,
+    mbit_s: f64,
+    streams: u32,
+) -> Result<Beside> {
+    let b_ip = b.ip4.to_string();
+    let ud_bytes = || -> Result<u64> {
+        let p = a.peer_json(&b_ip)?.context("A knows B")?;
+        Ok(p["tx_ud_bytes"].as_u64().unwrap_or(0))
+    };
+    // iperf3's -b is per stream.
+    let per_stream = format!("{:.0}M", (mbit_s / f64::from(streams)).max(1.0));
+    let mut flow = a
+        .cmd("iperf3")
+        .args(["-c", &b_ip, "-p", "5210", "-t", "300", "-b", &per_stream])
+        .args(["-P", &streams.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("iperf3 client (the flow beside ib_send_bw)")?;
+    std::thread::sleep(Duration::from_secs(1));
+    let (t0, bytes0) = (Instant::now(), ud_bytes());
+    let perf = perftest.rate(iters);
+    let (secs, bytes1) = (t0.elapsed().as_secs_f64(), ud_bytes());
+    // SIGINT, not SIGKILL: the client ends the test with the server, which is then free for
+    // the next run (`nsenter` execs iperf3, so this is its PID).
+    // SAFETY: a signal to our own child, not yet waited for.
+    unsafe { libc::kill(flow.id() as libc::pid_t, libc::SIGINT) };
+    let _ = flow.wait();
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = bytes1?.saturating_sub(bytes0?);
+    Ok(Beside {
+        perf: perf?,
+        flow_mbit_s: sent as f64 * 8.0 / secs / 1e6,
+    })
 }
 
 fn iperf(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run> {
@@ -476,6 +531,8 @@ fn bench(
             // UD: mode=datagram drains the connection; the fast path sends everything UD.
             set_mode(&a, "datagram")?;
             wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))?;
+            let beside =
+                send_bw_beside_flow(&a, &b, &perftest, cm.engine_msgs, cm.mbit_s, args.streams)?;
             // CM again, on rings per connection, in the other lab.
             let on_rings = cm_run(&ra, &rb, ring_ctls, args.seconds, args.streams)?;
             set_mode(&ra, "datagram")?;
@@ -541,10 +598,19 @@ fn bench(
                 perf_events.client_cpu_s_per_msg * 1e3,
                 perf_events.msg_per_s
             );
+            eprintln!(
+                "round {round}: ib_send_bw beside a TCP flow over UD of {:.0} Mbit/s: {:.0} msg/s \
+                 ({:.2} of alone); the engine over it: {:.2}",
+                beside.flow_mbit_s,
+                beside.perf.msg_per_s,
+                beside.perf.msg_per_s / perf,
+                cm.engine_msg_per_s / beside.perf.msg_per_s
+            );
             perf_runs.push(PerfRound {
                 engine: cm,
                 polling: perf_rate,
                 events: perf_events,
+                beside,
             });
             cm_runs.push(cm);
             ring_runs.push(on_rings);
@@ -584,6 +650,16 @@ fn bench(
     base_ratio.sort_by(f64::total_cmp);
     let base = (!base_runs.is_empty()).then(|| med(&mut base_runs));
     let (cm, on_rings, ud) = (med(&mut cm_runs), med(&mut ring_runs), med(&mut ud_runs));
+    // Beside a flow over UD, by round: ib_send_bw's rate over its rate alone, the engine's
+    // over it, and the flow's rate; the median of each.
+    let median_of = |f: &dyn Fn(&PerfRound) -> f64| {
+        let mut v: Vec<f64> = perf_runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let beside_over_alone = median_of(&|p| p.beside.perf.msg_per_s / p.polling.msg_per_s);
+    let engine_over_beside = median_of(&|p| p.engine.engine_msg_per_s / p.beside.perf.msg_per_s);
+    let beside_flow = median_of(&|p| p.beside.flow_mbit_s);
     perf_runs.sort_by(|x, y| x.ratio().total_cmp(&y.ratio()));
     // The round with the median ratio, its own figures beside it.
     let median = perf_runs[perf_runs.len() / 2];
@@ -616,6 +692,9 @@ fn bench(
         "engine_over_ib_send_bw": (engine_over_perftest * 1000.0).round() / 1000.0,
         "engine_ctl_cpu_ms_per_msg": (engine_cpu * 1e5).round() / 100.0,
         "ib_send_bw_events_client_cpu_ms_per_msg": (perf_cpu * 1e5).round() / 100.0,
+        "ib_send_bw_beside_ud_flow": {"flow_mbit_s": r1(beside_flow),
+            "over_alone": (beside_over_alone * 1000.0).round() / 1000.0,
+            "engine_over_it": (engine_over_beside * 1000.0).round() / 1000.0},
         "baseline": base.map(|b| json!({
             "ctl": args.baseline_ctl.as_ref().map(|p| p.display().to_string()),
             "receives": if args.baseline_rings { "rings" } else { "srq" },
@@ -651,6 +730,10 @@ fn bench(
         "sender's CPU per message, that round: A's ipoib-ctl {:.2} ms, ib_send_bw's client (on events) {:.2} ms",
         engine_cpu * 1e3,
         perf_cpu * 1e3
+    );
+    println!(
+        "ib_send_bw beside a TCP flow over UD ({beside_flow:.0} Mbit/s): {beside_over_alone:.2} of its rate alone; \
+         the engine over it: {engine_over_beside:.2} (medians of the rounds)"
     );
     println!("BENCH-JSON {out}");
     Ok(())
