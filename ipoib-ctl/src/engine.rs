@@ -76,7 +76,7 @@ use crate::{
     verbs::{Completion, Lane, RcQueuePair, Resources, VerbsError},
 };
 
-pub use self::core::{EngineCore, Link, Receipt};
+pub use self::core::{EngineCore, Link, Receipt, Released, Removal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -436,6 +436,9 @@ struct Io {
     /// The completions of one poll, kept to reuse its memory.
     wcs: Vec<Completion>,
     events: Option<mpsc::UnboundedSender<EngineEvent>>,
+    /// The close of each connection whose route is being let go ([`Removal::Draining`]),
+    /// held until it is ([`EngineCore::next_released`]).
+    closing: HashMap<u32, Vec<Arc<CloseWhenDone>>>,
 }
 
 /// How often flows of gone connections are forgotten, receive totals reported and the
@@ -535,6 +538,7 @@ impl Engine {
                         steering: steering.clone(),
                         wcs: Vec::with_capacity(POLL_BATCH),
                         events: None,
+                        closing: HashMap::new(),
                     },
                     commands,
                     control: control.clone(),
@@ -633,6 +637,11 @@ impl Engine {
                         inject(f).await;
                     }
                     self.io.command(c);
+                    // A route being let go waits for the TUN device to be read empty: an idle
+                    // device would not say it is readable.
+                    if self.io.core.awaits_read_empty() {
+                        self.read_batch().map_err(&tun_err)?;
+                    }
                 }
                 _ = housekeeping.tick() => self.io.housekeeping(),
                 g = channel.readable() => {
@@ -695,6 +704,7 @@ impl Engine {
                 Err(e) => {
                     self.io.core.give_back(slot, None);
                     if e.kind() == io::ErrorKind::WouldBlock {
+                        self.io.core.read_empty();
                         return Ok(true);
                     }
                     return Err(e);
@@ -706,12 +716,20 @@ impl Engine {
 }
 
 impl Io {
-    /// Tells the control plane what the core decided to.
+    /// Tells the control plane what the core decided to, and lets go of the connections
+    /// whose routes the core has let go of.
     fn tell(&mut self) {
         while let Some(e) = self.core.next_event() {
             if let Some(tx) = &self.events {
                 let _ = tx.send(e);
             }
+        }
+        while let Some(Released { ip, qpn, unrouted }) = self.core.next_released() {
+            if unrouted {
+                self.steer(ip, Steering::clear);
+            }
+            // Its close fires once every lane has let go of it.
+            self.closing.remove(&qpn);
         }
     }
 
@@ -723,10 +741,14 @@ impl Io {
             }
             EngineCommand::Fault(_) => {}
             EngineCommand::RemoveRoute { ip, qpn, close } => {
-                if self.core.remove_route(ip, qpn) {
-                    self.steer(ip, Steering::clear);
+                match self.core.remove_route(ip, qpn) {
+                    Removal::NotHere => drop(close),
+                    Removal::Removed => {
+                        self.steer(ip, Steering::clear);
+                        drop(close);
+                    }
+                    Removal::Draining => self.closing.entry(qpn).or_default().extend(close),
                 }
-                drop(close);
             }
         }
         self.tell();

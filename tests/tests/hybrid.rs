@@ -481,6 +481,7 @@ on_both_receive_models!(
     a_stalled_receiver_falls_back_to_ud_and_returns_to_cm,
     an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains,
     a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact,
+    a_shed_connection_drops_nothing_its_engine_held,
 );
 
 /// `ipoib-ctl attach --cm-device DEV` on lab node `which`, on receive model `recv`, with
@@ -1915,6 +1916,107 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         .expect("mode=datagram drained B");
     wait_until(Duration::from_secs(10), || flows() == Some(0));
     assert_eq!(flows(), Some(0), "the closed connection's flow lingers");
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// A connection shed under a bulk flow: A sends to B and C, both on CM, and the cap is
+/// lowered to one (`set-policy max-connections=1`), so A's control plane closes one of them
+/// on its own (the fast path knows nothing of the cap, unlike `mode=datagram` or a pin,
+/// which it follows before the control plane acts). The packets A's engine already holds
+/// for that peer (behind the connection's window, or still in the TUN device's queue) go
+/// over the connection before it closes, and the sends in flight complete first: nothing is
+/// dropped as without a connection, no send completes in error, and both streams go on,
+/// intact. Three times (the cap raised again in between, the shed peer back on CM).
+fn a_shed_connection_drops_nothing_its_engine_held(recv: Recv) {
+    let test = "a_shed_connection_drops_nothing_its_engine_held";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hds"), 3) else {
+        return;
+    };
+    let policy = PolicyFile::new(&recv.tag("hds"), "mode=connected\n");
+    let hold = ["--policy", policy.arg(), "--cm-min-hold", "2s"];
+    attach(&mut lab, Which::A, recv, &dev, &hold);
+    let peers: Vec<Node> = lab.nodes().skip(1).cloned().collect();
+    for p in &peers {
+        attach_node(&mut lab, p, recv, &dev, &[]);
+    }
+    let a = lab.a.clone();
+    let streams: Vec<Stream> = peers
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Stream::start(&a, p, 5396 + i as u16))
+        .collect();
+    let ips: Vec<String> = peers.iter().map(|p| p.ip4.to_string()).collect();
+    let counts = |cm: &CmStatus| {
+        [
+            "tx_no_connection",
+            "send_errors",
+            "tx_window_waits",
+            "tx_packets",
+        ]
+        .map(|k| engine_count(cm, k))
+    };
+    let cap = |n: u32| {
+        let out = a
+            .ctl(&["set-policy", &a.iface, &format!("max-connections={n}")])
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let flows = || read_status(&a.iface).and_then(|s| s.engine.get("flows").copied());
+    for round in 0..3 {
+        for ip in &ips {
+            a.wait_peer_mode(ip, "cm_up", Duration::from_secs(30))
+                .unwrap_or_else(|| panic!("round {round}: {ip} not on CM:\n{}", ctl_log(&a)));
+        }
+        let on_cm = counts(&cm_of(&a));
+        std::thread::sleep(Duration::from_secs(2));
+        let before = counts(&cm_of(&a));
+        cap(1);
+        // One connection closed, its flow forgotten once the engine let it go.
+        assert!(
+            wait_until(Duration::from_secs(10), || flows() == Some(1)),
+            "round {round}: no connection was shed: {} flows",
+            flows().unwrap_or(0)
+        );
+        let after = counts(&cm_of(&a));
+        let d: Vec<u64> = after.iter().zip(&before).map(|(x, y)| x - y).collect();
+        let waits = before[2] - on_cm[2];
+        eprintln!(
+            "round {round}: across the shedding: {} dropped as without a connection, {} sends \
+             in error ({} packets sent over connections meanwhile); in the 2 s before it, \
+             {waits} of {} packets waited for a window",
+            d[0],
+            d[1],
+            d[3],
+            before[3] - on_cm[3]
+        );
+        assert!(
+            waits > 0,
+            "round {round}: no packet waited for a window: the engine held nothing to lose"
+        );
+        assert_eq!(
+            (d[0], d[1]),
+            (0, 0),
+            "round {round}: shedding dropped what the engine held (without a connection, sends \
+             in error)"
+        );
+        for (s, ip) in streams.iter().zip(&ips) {
+            let at = s.received();
+            assert!(
+                wait_until(Duration::from_secs(10), || s.received() > at + (1 << 20)),
+                "round {round}: the stream to {ip} stopped after the shedding"
+            );
+        }
+        cap(2);
+    }
+    for s in streams {
+        let sent = s.finish();
+        eprintln!("{} MiB crossed intact, across three sheddings", sent >> 20);
+    }
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }

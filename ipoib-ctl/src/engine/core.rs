@@ -168,6 +168,44 @@ pub(super) fn count(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// What [`EngineCore::remove_route`] did with the route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    /// Nothing of it is here: another engine's route, or gone already.
+    NotHere,
+    /// Removed at once: its connection is dead (what waited for it was dropped as it died).
+    Removed,
+    /// Kept until what this engine holds for the destination has gone over it; then let go,
+    /// as [`EngineCore::next_released`] says.
+    Draining,
+}
+
+/// A route let go after [`Removal::Draining`]: its QP may be closed once every engine has let
+/// go of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    pub ip: IpAddr,
+    pub qpn: u32,
+    /// It was still the destination's route here when let go (not replaced meanwhile): the
+    /// destination's steering to this engine is cleared.
+    pub unrouted: bool,
+}
+
+/// A route being let go: what the engine holds for its destination goes over it first.
+struct Drain {
+    ip: IpAddr,
+    /// The TUN device has been read empty since the removal was asked: every packet to the
+    /// destination that the fast path sent here before it sent the peer UD has been read.
+    read_empty: bool,
+    /// Housekeepings since the removal was asked.
+    housekeepings: u32,
+}
+
+/// Housekeepings a removal waits at most (2 s) for what the engine holds for the destination
+/// (a connection that stopped completing its sends would otherwise hold it for good): then
+/// what still waits is dropped (`tx_no_connection`) and the route let go.
+const DRAIN_HOUSEKEEPINGS: u32 = 4;
+
 pub struct EngineCore<Q> {
     cfg: EngineConfig,
     stats: Arc<EngineStats>,
@@ -186,6 +224,9 @@ pub struct EngineCore<Q> {
     /// One QP's part of the outbox while it is posted (kept to reuse its memory).
     chain: Vec<SendRequest>,
     events: VecDeque<EngineEvent>,
+    /// Routes being let go, by QP, and those let go since the loop last asked.
+    draining: HashMap<u32, Drain>,
+    released: VecDeque<Released>,
 }
 
 impl<Q: Link> EngineCore<Q> {
@@ -203,6 +244,8 @@ impl<Q: Link> EngineCore<Q> {
             outbox: Vec::with_capacity(2 * READ_BATCH),
             chain: Vec::with_capacity(2 * READ_BATCH),
             events: VecDeque::new(),
+            draining: HashMap::new(),
+            released: VecDeque::new(),
         }
     }
 
@@ -245,28 +288,120 @@ impl<Q: Link> EngineCore<Q> {
         self.outbox.len()
     }
 
-    /// From now on `ip`'s packets go over `route`.
+    /// From now on `ip`'s packets go over `route` (a route it replaces that was being let go
+    /// no longer waits for the TUN device: nothing more is read for it).
     pub fn add_route(&mut self, ip: IpAddr, route: Route<Q>) {
         let qpn = route.qp.qpn();
-        self.routes.insert(ip, route);
+        if let Some(old) = self.routes.insert(ip, route) {
+            self.settle(old.qp.qpn());
+        }
         self.events.push_back(EngineEvent::RouteAdded { ip, qpn });
     }
 
-    /// `ip`'s packets no longer go to QP `qpn` (if that is still its route: true when it
-    /// was); what waits for the QP will never go on it and is dropped (`tx_no_connection`);
-    /// its totals are forgotten.
-    pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) -> bool {
-        let removed = self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn);
-        if removed {
-            self.routes.remove(&ip);
+    /// `ip`'s packets are to stop going to QP `qpn` (if that is still its route), which the
+    /// control plane will close. The fast path sends the peer UD before it asks, so what this
+    /// engine holds for it is what it had read or had still to read: that goes over the
+    /// connection first, in order, and the sends in flight complete (a close would flush
+    /// them). So the route stays until the TUN device has been read empty once and nothing
+    /// waits or is in flight on the QP; then it is let go ([`EngineCore::next_released`]),
+    /// its totals forgotten. A dead connection's route goes at once; past
+    /// [`DRAIN_HOUSEKEEPINGS`] what still waits is dropped (`tx_no_connection`).
+    pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) -> Removal {
+        let routed = self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn);
+        let flow = self.flows.get_mut(&qpn);
+        let (dead, holds) = flow.map_or((false, false), |f| {
+            // No longer the peer's connection: its queue emptying says nothing of the peer.
+            f.congested = false;
+            (f.dead, f.in_flight > 0 || !f.waiting.is_empty())
+        });
+        if self.draining.contains_key(&qpn) {
+            return Removal::Draining;
+        }
+        if dead || !(routed || holds) {
+            if routed {
+                self.routes.remove(&ip);
+            }
+            self.rx_by_qp.forget(qpn);
+            self.keepalives_by_qp.forget(qpn);
+            return if routed {
+                Removal::Removed
+            } else {
+                Removal::NotHere
+            };
+        }
+        let drain = Drain {
+            ip,
+            read_empty: false,
+            housekeepings: 0,
+        };
+        self.draining.insert(qpn, drain);
+        self.settle(qpn);
+        Removal::Draining
+    }
+
+    /// Whether a route being let go waits for the TUN device to be read empty (the loop then
+    /// reads it at once: an idle device would never say it is readable).
+    pub fn awaits_read_empty(&self) -> bool {
+        self.draining.values().any(|d| !d.read_empty)
+    }
+
+    /// The TUN device was read empty: every packet it held when a removal was asked has been
+    /// read.
+    pub fn read_empty(&mut self) {
+        if self.draining.is_empty() {
+            return;
+        }
+        let waited: Vec<u32> = self
+            .draining
+            .iter_mut()
+            .filter_map(|(qpn, d)| (!std::mem::replace(&mut d.read_empty, true)).then_some(*qpn))
+            .collect();
+        for qpn in waited {
+            self.settle(qpn);
+        }
+    }
+
+    /// The next route let go after [`Removal::Draining`].
+    pub fn next_released(&mut self) -> Option<Released> {
+        self.released.pop_front()
+    }
+
+    /// Lets go of the route to `qpn` being let go, if nothing is left to wait for: its
+    /// connection is dead, or nothing waits or is in flight on it and the TUN device has
+    /// been read empty since (or the destination has another route now).
+    fn settle(&mut self, qpn: u32) {
+        let Some(d) = self.draining.get(&qpn) else {
+            return;
+        };
+        let flow = self.flows.get(&qpn);
+        let dead = flow.is_some_and(|f| f.dead);
+        let holds = flow.is_some_and(|f| f.in_flight > 0 || !f.waiting.is_empty());
+        let routed = self.routes.get(&d.ip).is_some_and(|r| r.qp.qpn() == qpn);
+        if dead || (!holds && (d.read_empty || !routed)) {
+            self.release(qpn);
+        }
+    }
+
+    /// Lets go of the route to `qpn` being let go, whatever is left: what still waits is
+    /// dropped.
+    fn release(&mut self, qpn: u32) {
+        let Some(d) = self.draining.remove(&qpn) else {
+            return;
+        };
+        let unrouted = self.routes.get(&d.ip).is_some_and(|r| r.qp.qpn() == qpn);
+        if unrouted {
+            self.routes.remove(&d.ip);
         }
         if let Some(flow) = self.flows.get_mut(&qpn) {
             flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
-            flow.congested = false;
         }
         self.rx_by_qp.forget(qpn);
         self.keepalives_by_qp.forget(qpn);
-        removed
+        self.released.push_back(Released {
+            ip: d.ip,
+            qpn,
+            unrouted,
+        });
     }
 
     /// The packet `msg` (virtio-net header and IP packet) read into send slot `slot`: to its
@@ -317,7 +452,8 @@ impl<Q: Link> EngineCore<Q> {
                 flow.waiting.push_back((slot, len as u32));
                 count(&self.stats.tx_window_waits);
             }
-            if !std::mem::replace(&mut flow.congested, true) {
+            // A route being let go is no longer the peer's: nothing to send UD.
+            if !self.draining.contains_key(&qpn) && !std::mem::replace(&mut flow.congested, true) {
                 count(&self.stats.tx_congested);
                 self.events.push_back(EngineEvent::Congested(dst));
             }
@@ -410,15 +546,17 @@ impl<Q: Link> EngineCore<Q> {
             // alive till then, so its number is not another's).
             let failed = flow.fail(wc.qp_num, Some(status), &mut self.free, &self.stats);
             self.events.extend(failed);
+            self.settle(wc.qp_num);
             return;
         }
         // The next waiting is posted at the end of the turn while its destination is still
-        // routed to this QP; else none of them will ever go on it (the route moved without
-        // a removal, which would have dropped them).
-        let routed = self
-            .routes
-            .get(&flow.dst)
-            .is_some_and(|r| r.qp.qpn() == wc.qp_num);
+        // routed to this QP, or the route is being let go; else none of them will ever go on
+        // it (the route moved without a removal).
+        let routed = self.draining.contains_key(&wc.qp_num)
+            || self
+                .routes
+                .get(&flow.dst)
+                .is_some_and(|r| r.qp.qpn() == wc.qp_num);
         if !routed {
             flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
         } else if let Some((s, len)) = flow.waiting.pop_front() {
@@ -429,6 +567,7 @@ impl<Q: Link> EngineCore<Q> {
             flow.congested = false;
             self.events.push_back(EngineEvent::Drained(flow.dst));
         }
+        self.settle(wc.qp_num);
     }
 
     /// A receive completed into a buffer of `len` bytes, on a connection's ring or not:
@@ -504,6 +643,7 @@ impl<Q: Link> EngineCore<Q> {
     /// posted with `post` (given the QP and a free slot), on every connection nothing was
     /// sent on since the last housekeeping.
     pub fn housekeeping<E: Display>(&mut self, post: impl FnMut(&Q, u32) -> Result<(), E>) {
+        self.age_drains();
         let routes = &self.routes;
         let routed = |ip: &IpAddr, qpn: u32| routes.get(ip).is_some_and(|r| r.qp.qpn() == qpn);
         self.flows
@@ -523,6 +663,27 @@ impl<Q: Link> EngineCore<Q> {
         self.send_keepalives(post);
     }
 
+    /// Routes being let go: each settled if it can be (a connection that died meanwhile), or
+    /// let go whatever is left past [`DRAIN_HOUSEKEEPINGS`].
+    fn age_drains(&mut self) {
+        let qpns: Vec<u32> = self.draining.keys().copied().collect();
+        for qpn in qpns {
+            let Some(d) = self.draining.get_mut(&qpn) else {
+                continue;
+            };
+            d.housekeepings += 1;
+            if d.housekeepings > DRAIN_HOUSEKEEPINGS {
+                tracing::debug!(
+                    "{}: the route to QP {qpn} let go with sends still held for it",
+                    d.ip
+                );
+                self.release(qpn);
+            } else {
+                self.settle(qpn);
+            }
+        }
+    }
+
     /// A keepalive on every connection nothing was sent on since the last housekeeping (see
     /// [`super::KEEPALIVE_LEN`]): it tells the peer that this engine runs, over the connection
     /// itself: a one-way stream's receiver sends nothing else on it, and the handshake
@@ -534,7 +695,7 @@ impl<Q: Link> EngineCore<Q> {
             .routes
             .iter()
             .map(|(ip, r)| (*ip, r.qp.qpn()))
-            .filter(|(_, qpn)| !sent.contains(qpn))
+            .filter(|(_, qpn)| !sent.contains(qpn) && !self.draining.contains_key(qpn))
             .collect();
         for (ip, qpn) in idle {
             let qp = &self.routes[&ip].qp;

@@ -511,23 +511,183 @@ fn sends_decided_for_a_connection_that_died_in_the_same_turn_are_not_posted() {
     assert_eq!(c.free_slots(), SLOTS as usize);
 }
 
+fn released(c: &mut EngineCore<Qp>) -> Vec<Released> {
+    std::iter::from_fn(|| c.next_released()).collect()
+}
+
 #[test]
-fn what_waits_for_a_removed_route_is_dropped_at_once_not_sent_on_the_old_connection() {
+fn what_waits_for_a_removed_route_goes_over_it_before_it_is_let_go() {
     let mut c = core_with(1, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
-    // One in flight, three waiting: more than the completions to come would release.
-    let s: Vec<u32> = (0..4).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    // One in flight, three waiting.
+    let mut s: Vec<u32> = (0..4).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    assert_eq!(post(&mut c), [(7, s[0], 100)]);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    assert!(c.awaits_read_empty());
+    // Still its route: a packet read now (sent here before the peer went UD) queues too.
+    s.push(read_to(&mut c, "10.0.0.2", 100));
+    assert!(post(&mut c).is_empty(), "the window is full");
+    // No keepalive on a route being let go, though nothing was sent on it since.
+    housekeeping(&mut c);
+    assert!(housekeeping(&mut c).is_empty());
+    // Each completion releases the next, on the old connection, in order.
+    for i in 0..4 {
+        done(&mut c, 7, s[i], None);
+        assert_eq!(post(&mut c), [(7, s[i + 1], 100)], "the send after {i}");
+    }
+    c.read_empty();
+    assert!(!c.awaits_read_empty());
+    assert!(released(&mut c).is_empty(), "one send still in flight");
+    done(&mut c, 7, s[4], None);
+    assert_eq!(
+        released(&mut c),
+        [Released {
+            ip: ip("10.0.0.2"),
+            qpn: 7,
+            unrouted: true
+        }]
+    );
+    assert_eq!(stat(&c, "tx_no_connection"), 0);
+    assert_eq!(stat(&c, "tx_packets"), 5);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+    // Gone now: what comes next has no connection.
+    read_to(&mut c, "10.0.0.2", 100);
+    assert!(post(&mut c).is_empty());
+    assert_eq!(stat(&c, "tx_no_connection"), 1);
+    assert!(
+        events(&mut c)
+            .iter()
+            .all(|e| matches!(e, EngineEvent::RouteAdded { .. }))
+    );
+}
+
+#[test]
+fn an_idle_route_is_let_go_once_the_tun_device_is_read_empty() {
+    let mut c = core_with(8, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    assert!(
+        released(&mut c).is_empty(),
+        "the device may still hold packets to it"
+    );
+    let s = read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(post(&mut c), [(7, s, 100)], "one it held");
+    c.read_empty();
+    assert!(released(&mut c).is_empty(), "its send is in flight");
+    done(&mut c, 7, s, None);
+    assert_eq!(released(&mut c).len(), 1);
+    // Its flow is forgotten at the next housekeeping.
+    housekeeping(&mut c);
+    assert_eq!(stat(&c, "flows"), 0);
+}
+
+#[test]
+fn a_dead_connections_route_is_removed_at_once() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
     post(&mut c);
-    c.remove_route(ip("10.0.0.2"), 7);
-    assert_eq!(stat(&c, "tx_no_connection"), 3);
-    assert_eq!(c.free_slots(), SLOTS as usize - 1);
-    route(&mut c, "10.0.0.2", 8, 65520);
+    done(&mut c, 7, s[0], Some(12));
+    assert_eq!(
+        stat(&c, "tx_backpressure"),
+        2,
+        "what waited, dropped as it died"
+    );
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Removed);
+    assert!(released(&mut c).is_empty(), "nothing to let go later");
+    assert!(!c.awaits_read_empty());
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
+#[test]
+fn a_connection_that_dies_while_its_route_is_let_go_is_let_go_at_once() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    done(&mut c, 7, s[0], Some(12));
+    assert_eq!(released(&mut c).len(), 1, "not waiting for the TUN device");
+    assert_eq!(stat(&c, "tx_backpressure"), 2);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
+#[test]
+fn a_route_let_go_drops_what_still_waits_after_the_drain_bound() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    c.read_empty();
+    // The connection completes nothing.
+    for _ in 0..DRAIN_HOUSEKEEPINGS {
+        housekeeping(&mut c);
+        assert!(released(&mut c).is_empty());
+    }
+    housekeeping(&mut c);
+    assert_eq!(released(&mut c).len(), 1);
+    assert_eq!(stat(&c, "tx_no_connection"), 2, "the two that waited");
+    // The send in flight comes back, late: its slot is free, nothing more goes.
     done(&mut c, 7, s[0], None);
     assert!(post(&mut c).is_empty());
     assert_eq!(c.free_slots(), SLOTS as usize);
-    // The new route carries what comes next.
+}
+
+#[test]
+fn a_route_replaced_while_let_go_sends_what_waited_on_the_old_connection() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    route(&mut c, "10.0.0.2", 8, 65520);
     let n = read_to(&mut c, "10.0.0.2", 100);
-    assert_eq!(post(&mut c), [(8, n, 100)]);
+    assert_eq!(
+        post(&mut c),
+        [(8, n, 100)],
+        "the new route carries what comes next"
+    );
+    done(&mut c, 7, s[0], None);
+    assert_eq!(post(&mut c), [(7, s[1], 100)]);
+    done(&mut c, 7, s[1], None);
+    assert_eq!(post(&mut c), [(7, s[2], 100)]);
+    done(&mut c, 7, s[2], None);
+    // Let go without the TUN device: nothing more is read for the old route.
+    assert_eq!(
+        released(&mut c),
+        [Released {
+            ip: ip("10.0.0.2"),
+            qpn: 7,
+            unrouted: false
+        }]
+    );
+    assert_eq!(stat(&c, "tx_no_connection"), 0);
+    let m = read_to(&mut c, "10.0.0.2", 100);
+    done(&mut c, 8, n, None);
+    assert_eq!(post(&mut c), [(8, m, 100)], "the new route stays");
+}
+
+#[test]
+fn a_congested_route_let_go_tells_the_control_plane_nothing_more() {
+    let mut c = core_with(1, 1, 0);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    events(&mut c);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    assert_eq!(events(&mut c), [EngineEvent::Congested(ip("10.0.0.2"))]);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    // More past the backlog, and the queue emptied: neither is the peer's news now.
+    let late = read_to(&mut c, "10.0.0.2", 100);
+    for slot in [s[0], s[1], s[2]] {
+        done(&mut c, 7, slot, None);
+        post(&mut c);
+    }
+    done(&mut c, 7, late, None);
+    assert!(events(&mut c).is_empty(), "no Congested, no Drained");
+    c.read_empty();
+    assert_eq!(released(&mut c).len(), 1);
+    assert_eq!(c.free_slots(), SLOTS as usize);
 }
 
 #[test]
@@ -549,15 +709,27 @@ fn what_waits_for_a_route_replaced_without_removal_is_dropped_at_the_next_comple
 fn a_route_is_removed_only_from_its_own_qp() {
     let mut c = core_with(8, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
-    assert!(!c.remove_route(ip("10.0.0.2"), 8), "not its route");
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 8), Removal::NotHere);
     let s = read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(
         post(&mut c),
         [(7, s, 100)],
         "a stale removal leaves the route"
     );
-    assert!(c.remove_route(ip("10.0.0.2"), 7), "its route");
-    assert!(!c.remove_route(ip("10.0.0.2"), 7), "gone already");
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    assert_eq!(
+        c.remove_route(ip("10.0.0.2"), 7),
+        Removal::Draining,
+        "asked again: the same"
+    );
+    done(&mut c, 7, s, None);
+    c.read_empty();
+    assert_eq!(released(&mut c).len(), 1, "let go once");
+    assert_eq!(
+        c.remove_route(ip("10.0.0.2"), 7),
+        Removal::NotHere,
+        "gone already"
+    );
     read_to(&mut c, "10.0.0.2", 100);
     assert!(post(&mut c).is_empty());
     assert_eq!(stat(&c, "tx_no_connection"), 1);
@@ -577,9 +749,11 @@ fn a_core_uses_its_lanes_slots_only() {
     assert!(!c.can_read());
 }
 
-/// Housekeeping, and what it told: the totals in QP order.
+/// Housekeeping (its keepalives completed), and what it told: the totals in QP order.
 fn totals_told(c: &mut EngineCore<Qp>) -> Vec<EngineEvent> {
-    housekeeping(c);
+    for (qpn, slot) in housekeeping(c) {
+        done(c, qpn, slot, None);
+    }
     let mut told = events(c);
     for e in &mut told {
         if let EngineEvent::Received(t) | EngineEvent::Keepalives(t) = e {
@@ -615,6 +789,7 @@ fn housekeeping_reports_each_total_once_after_a_change_and_only_for_routed_qps()
     );
     // A removed route's totals start again from nothing.
     c.remove_route(ip("10.0.0.3"), 8);
+    c.read_empty();
     route(&mut c, "10.0.0.3", 8, 65520);
     events(&mut c);
     packet_in(&mut c, 8, 50);
@@ -639,6 +814,7 @@ fn housekeeping_forgets_a_gone_connections_flow_once_its_sends_are_back() {
     housekeeping(&mut c);
     assert_eq!(stat(&c, "flows"), 2);
     c.remove_route(ip("10.0.0.2"), 7);
+    c.read_empty();
     housekeeping(&mut c);
     assert_eq!(stat(&c, "flows"), 2, "kept while its send is in flight");
     done(&mut c, 7, a, None);
@@ -935,6 +1111,9 @@ impl Run {
                 done(&mut self.c, qpn, slot, error);
             }
             7 => {
+                if self.next(2) == 0 {
+                    self.c.read_empty();
+                }
                 let in_flight = &mut self.in_flight;
                 self.c.housekeeping(|qp, slot| {
                     in_flight.push((qp.0, slot));
@@ -958,6 +1137,7 @@ impl Run {
             _ => {}
         }
         events(&mut self.c);
+        released(&mut self.c);
     }
 
     /// Every slot in one place; each QP's sends within its window, and counted by its flow.
