@@ -25,7 +25,9 @@
 //! flushed), or a send the QP refuses to take reports [`EngineEvent::QpError`] once per QP:
 //! what waits for it is dropped at once, and its flow stays, dead (what is read for it is
 //! dropped and counted as without a connection, no keepalive goes), until the control plane
-//! takes the route away.
+//! takes the route away. A live connection's route the control plane takes away goes once
+//! what the engine holds for the peer has gone over it (what waits, what the TUN device still
+//! holds, the sends in flight; 2 s at most): a demotion loses nothing either.
 //!
 //! One turn of the loop does one thing: a batch of TUN reads (each packet posted as it is
 //! read), or completions until the CQ is empty or 20 ms are spent (the sends they
@@ -259,9 +261,10 @@ pub enum EngineCommand {
     /// Send `ip`'s packets over this connection from now on; answered with
     /// [`EngineEvent::RouteAdded`].
     AddRoute { ip: IpAddr, route: Route },
-    /// Stop routing `ip` to QP `qpn` (if that is still its route), then let go of `close`:
-    /// it fires once every lane has (the QP may be torn down once nothing new is posted on
-    /// it).
+    /// Stop routing `ip` to QP `qpn` (if that is still its route) once what the engine holds
+    /// for it has gone over it (see [`EngineCore::remove_route`]), then let go of `close`: it
+    /// fires once every lane has (the QP may be torn down once nothing is posted on it or in
+    /// flight).
     RemoveRoute {
         ip: IpAddr,
         qpn: u32,
@@ -342,9 +345,9 @@ impl EngineControl {
     }
 
     /// Removes `ip`'s route to `qpn` on whichever lane has it (told to every lane: a lane
-    /// that had it has let go of the QP once it has taken the command); `close` fires once
-    /// every lane has (also when an engine has stopped: the sender is then dropped, which a
-    /// watcher takes as the same).
+    /// without it lets go at once, the one with it once what it holds for `ip` has gone over
+    /// the connection); `close` fires once every lane has (also when an engine has stopped:
+    /// the sender is then dropped, which a watcher takes as the same).
     pub fn remove_route(&self, ip: IpAddr, qpn: u32, close: Option<oneshot::Sender<()>>) {
         let close = close.map(|c| Arc::new(CloseWhenDone(Some(c))));
         for lane in self.0.iter() {

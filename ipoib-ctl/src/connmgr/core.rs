@@ -9,8 +9,9 @@
 //! The order it keeps, so nothing is ever redirected into a dead or missing connection:
 //! - up: the engine gets the route ([`Command::AddRoute`]) and only once it has it
 //!   ([`Core::handle_route_added`]) does the peer map say `CmUp`;
-//! - down: the peer map says `Ud` first, then the engine drops the route and closes the
-//!   connection ([`Command::RemoveRoute`]).
+//! - down: the peer map says `Ud` first, then the engine sends what it still holds for the
+//!   peer over the connection, drops the route and lets it be closed
+//!   ([`Command::RemoveRoute`]).
 
 use std::{
     collections::{HashMap, VecDeque},

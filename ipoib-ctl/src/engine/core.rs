@@ -304,8 +304,8 @@ impl<Q: Link> EngineCore<Q> {
     /// connection first, in order, and the sends in flight complete (a close would flush
     /// them). So the route stays until the TUN device has been read empty once and nothing
     /// waits or is in flight on the QP; then it is let go ([`EngineCore::next_released`]),
-    /// its totals forgotten. A dead connection's route goes at once; past
-    /// [`DRAIN_HOUSEKEEPINGS`] what still waits is dropped (`tx_no_connection`).
+    /// its totals forgotten. A dead connection's route goes at once; past 4 housekeepings
+    /// (2 s) what still waits is dropped (`tx_no_connection`).
     pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) -> Removal {
         let routed = self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn);
         let flow = self.flows.get_mut(&qpn);
