@@ -646,7 +646,13 @@ impl Engine {
                         self.read_batch().map_err(&tun_err)?;
                     }
                 }
-                _ = housekeeping.tick() => self.io.housekeeping(),
+                _ = housekeeping.tick() => {
+                    self.io.housekeeping();
+                    // Again where no send slot was free to read with when it was asked.
+                    if self.io.core.awaits_read_empty() {
+                        self.read_batch().map_err(&tun_err)?;
+                    }
+                }
                 g = channel.readable() => {
                     let mut g = g.map_err(&tun_err)?;
                     let cq = &self.io.lane.cq;
