@@ -1929,13 +1929,35 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
 /// dropped as without a connection, no send completes in error, and both streams go on,
 /// intact. Three times (the cap raised again in between, the shed peer back on CM).
 fn a_shed_connection_drops_nothing_its_engine_held(recv: Recv) {
+    shed_under_flows(recv, 1);
+}
+
+/// [`a_shed_connection_drops_nothing_its_engine_held`] with A on two engine lanes: each
+/// connection on a lane of its own (the lane with the fewest QPs), so the shed one's route is
+/// let go by its lane while the other lane, told the same, lets go at once.
+#[test]
+fn a_shed_connection_on_two_lanes_drops_nothing_its_engine_held() {
+    shed_under_flows(Recv::Srq, 2);
+}
+
+fn shed_under_flows(recv: Recv, lanes: u32) {
     let test = "a_shed_connection_drops_nothing_its_engine_held";
-    let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hds"), 3) else {
+    let tag = format!("{}{lanes}", recv.tag("hds"));
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, &tag, 3) else {
         return;
     };
-    let policy = PolicyFile::new(&recv.tag("hds"), "mode=connected\n");
-    let hold = ["--policy", policy.arg(), "--cm-min-hold", "2s"];
+    let policy = PolicyFile::new(&tag, "mode=connected\n");
+    let lanes_arg = lanes.to_string();
+    let hold = [
+        "--policy",
+        policy.arg(),
+        "--cm-min-hold",
+        "2s",
+        "--cm-lanes",
+        &lanes_arg,
+    ];
     attach(&mut lab, Which::A, recv, &dev, &hold);
+    assert_eq!(cm_of(&lab.a).engine_lanes, lanes);
     let peers: Vec<Node> = lab.nodes().skip(1).cloned().collect();
     for p in &peers {
         attach_node(&mut lab, p, recv, &dev, &[]);
@@ -1944,7 +1966,7 @@ fn a_shed_connection_drops_nothing_its_engine_held(recv: Recv) {
     let streams: Vec<Stream> = peers
         .iter()
         .enumerate()
-        .map(|(i, p)| Stream::start(&a, p, 5396 + i as u16))
+        .map(|(i, p)| Stream::start(&a, p, 5396 + 2 * lanes as u16 + i as u16))
         .collect();
     let ips: Vec<String> = peers.iter().map(|p| p.ip4.to_string()).collect();
     let counts = |cm: &CmStatus| {

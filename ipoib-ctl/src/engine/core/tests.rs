@@ -668,6 +668,56 @@ fn a_route_replaced_while_let_go_sends_what_waited_on_the_old_connection() {
     assert_eq!(post(&mut c), [(8, m, 100)], "the new route stays");
 }
 
+/// The control plane replaced the route before it removed the old one (a reconnect): the old
+/// connection's sends are still its, and its close waits for them.
+#[test]
+fn a_removal_after_the_route_moved_waits_for_the_old_connections_sends() {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..2).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    post(&mut c);
+    route(&mut c, "10.0.0.2", 8, 65520);
+    assert_eq!(
+        c.remove_route(ip("10.0.0.2"), 7),
+        Removal::Draining,
+        "one in flight, one waiting"
+    );
+    done(&mut c, 7, s[0], None);
+    assert_eq!(
+        post(&mut c),
+        [(7, s[1], 100)],
+        "what waited goes on the old connection"
+    );
+    assert!(released(&mut c).is_empty());
+    done(&mut c, 7, s[1], None);
+    assert_eq!(released(&mut c).len(), 1);
+    // Only a send in flight, nothing waiting: the same.
+    let n = read_to(&mut c, "10.0.0.2", 100);
+    assert_eq!(post(&mut c), [(8, n, 100)]);
+    route(&mut c, "10.0.0.2", 9, 65520);
+    assert_eq!(
+        c.remove_route(ip("10.0.0.2"), 8),
+        Removal::Draining,
+        "one in flight"
+    );
+    done(&mut c, 8, n, None);
+    assert_eq!(
+        released(&mut c),
+        [Released {
+            ip: ip("10.0.0.2"),
+            qpn: 8,
+            unrouted: false
+        }]
+    );
+    assert_eq!(
+        c.remove_route(ip("10.0.0.2"), 8),
+        Removal::NotHere,
+        "nothing of it left"
+    );
+    assert_eq!(stat(&c, "tx_no_connection"), 0);
+    assert_eq!(c.free_slots(), SLOTS as usize);
+}
+
 #[test]
 fn a_congested_route_let_go_tells_the_control_plane_nothing_more() {
     let mut c = core_with(1, 1, 0);
