@@ -1927,7 +1927,9 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
 /// for that peer (behind the connection's window, or still in the TUN device's queue) go
 /// over the connection before it closes, and the sends in flight complete first: nothing is
 /// dropped as without a connection, no send completes in error, and both streams go on,
-/// intact. Three times (the cap raised again in between, the shed peer back on CM).
+/// intact. Five times (the cap raised again in between, the shed peer back on CM): a
+/// shedding finds packets held in some rounds, not all (the build that dropped them did so
+/// in round 0, 1 and 2 of the three runs seen: 21, 28 and 7 packets).
 fn a_shed_connection_drops_nothing_its_engine_held(recv: Recv) {
     shed_under_flows(recv, 1);
 }
@@ -1989,7 +1991,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
         );
     };
     let flows = || read_status(&a.iface).and_then(|s| s.engine.get("flows").copied());
-    for round in 0..3 {
+    for round in 0..5 {
         for ip in &ips {
             a.wait_peer_mode(ip, "cm_up", Duration::from_secs(30))
                 .unwrap_or_else(|| panic!("round {round}: {ip} not on CM:\n{}", ctl_log(&a)));
@@ -2037,7 +2039,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
     }
     for s in streams {
         let sent = s.finish();
-        eprintln!("{} MiB crossed intact, across three sheddings", sent >> 20);
+        eprintln!("{} MiB crossed intact, across five sheddings", sent >> 20);
     }
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
