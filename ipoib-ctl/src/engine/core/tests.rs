@@ -515,6 +515,17 @@ fn released(c: &mut EngineCore<Qp>) -> Vec<Released> {
     std::iter::from_fn(|| c.next_released()).collect()
 }
 
+/// A core whose route to 10.0.0.2 (QP 7, a window of one) is being let go with one send in
+/// flight and two waiting: the core and the three slots, in order.
+fn letting_go_of_three() -> (EngineCore<Qp>, Vec<u32>) {
+    let mut c = core_with(1, 8, 2);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
+    assert_eq!(post(&mut c), [(7, s[0], 100)]);
+    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    (c, s)
+}
+
 #[test]
 fn what_waits_for_a_removed_route_goes_over_it_before_it_is_let_go() {
     let mut c = core_with(1, 8, 2);
@@ -601,11 +612,7 @@ fn a_dead_connections_route_is_removed_at_once() {
 
 #[test]
 fn a_connection_that_dies_while_its_route_is_let_go_is_let_go_at_once() {
-    let mut c = core_with(1, 8, 2);
-    route(&mut c, "10.0.0.2", 7, 65520);
-    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
-    post(&mut c);
-    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    let (mut c, s) = letting_go_of_three();
     done(&mut c, 7, s[0], Some(12));
     assert_eq!(released(&mut c).len(), 1, "not waiting for the TUN device");
     assert_eq!(stat(&c, "tx_backpressure"), 2);
@@ -614,11 +621,7 @@ fn a_connection_that_dies_while_its_route_is_let_go_is_let_go_at_once() {
 
 #[test]
 fn a_route_let_go_drops_what_still_waits_after_the_drain_bound() {
-    let mut c = core_with(1, 8, 2);
-    route(&mut c, "10.0.0.2", 7, 65520);
-    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
-    post(&mut c);
-    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    let (mut c, s) = letting_go_of_three();
     c.read_empty();
     // The connection completes nothing.
     for _ in 0..DRAIN_HOUSEKEEPINGS {
@@ -636,11 +639,7 @@ fn a_route_let_go_drops_what_still_waits_after_the_drain_bound() {
 
 #[test]
 fn a_route_replaced_while_let_go_sends_what_waited_on_the_old_connection() {
-    let mut c = core_with(1, 8, 2);
-    route(&mut c, "10.0.0.2", 7, 65520);
-    let s: Vec<u32> = (0..3).map(|_| read_to(&mut c, "10.0.0.2", 100)).collect();
-    post(&mut c);
-    assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Draining);
+    let (mut c, s) = letting_go_of_three();
     route(&mut c, "10.0.0.2", 8, 65520);
     let n = read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(
