@@ -631,10 +631,17 @@ fn a_route_let_go_drops_what_still_waits_after_the_drain_bound() {
     housekeeping(&mut c);
     assert_eq!(released(&mut c).len(), 1);
     assert_eq!(stat(&c, "tx_no_connection"), 2, "the two that waited");
+    assert_eq!(
+        stat(&c, "flows"),
+        1,
+        "its flow kept while its send is in flight"
+    );
     // The send in flight comes back, late: its slot is free, nothing more goes.
     done(&mut c, 7, s[0], None);
     assert!(post(&mut c).is_empty());
     assert_eq!(c.free_slots(), SLOTS as usize);
+    housekeeping(&mut c);
+    assert_eq!(stat(&c, "flows"), 0, "then forgotten");
 }
 
 #[test]
