@@ -640,18 +640,11 @@ impl Engine {
                         inject(f).await;
                     }
                     self.io.command(c);
-                    // A route being let go waits for the TUN device to be read empty: an idle
-                    // device would not say it is readable.
-                    if self.io.core.awaits_read_empty() {
-                        self.read_batch().map_err(&tun_err)?;
-                    }
+                    self.read_for_drains().map_err(&tun_err)?;
                 }
                 _ = housekeeping.tick() => {
                     self.io.housekeeping();
-                    // Again where no send slot was free to read with when it was asked.
-                    if self.io.core.awaits_read_empty() {
-                        self.read_batch().map_err(&tun_err)?;
-                    }
+                    self.read_for_drains().map_err(&tun_err)?;
                 }
                 g = channel.readable() => {
                     let mut g = g.map_err(&tun_err)?;
@@ -678,6 +671,16 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// A batch of TUN reads where a route being let go waits for the device to be read empty:
+    /// after the command that asked (an idle device would never say it is readable), and at
+    /// each housekeeping (in case no send slot was free to read with then).
+    fn read_for_drains(&mut self) -> io::Result<()> {
+        if self.io.core.awaits_read_empty() {
+            self.read_batch()?;
+        }
+        Ok(())
     }
 
     /// Up to [`READ_BATCH`] packets from the TUN device, each read into a free send slot and

@@ -43,6 +43,11 @@ fn engine_count(cm: &CmStatus, k: &str) -> u64 {
     cm.engine.get(k).copied().unwrap_or(0)
 }
 
+/// The flows `n`'s engine tracks, as its status file last said (None: unreadable).
+fn engine_flows(n: &Node) -> Option<u64> {
+    read_status(&n.iface).and_then(|s| s.engine.get("flows").copied())
+}
+
 /// The policy's view of the peer at `ip` in a CM status.
 fn cm_peer<'a>(cm: &'a CmStatus, ip: &str) -> Option<&'a PeerStatus> {
     cm.peers.iter().find(|p| p.addr.to_string() == ip)
@@ -1908,7 +1913,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
     // mode=datagram drains the connection; the engine forgets what it tracked for it.
-    let flows = || read_status(&a.iface).and_then(|s| s.engine.get("flows").copied());
+    let flows = || engine_flows(&a);
     assert!(flows().is_some_and(|f| f >= 1), "A's engine tracks no flow");
     let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
     assert!(out.status.success());
@@ -1990,7 +1995,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
             String::from_utf8_lossy(&out.stderr)
         );
     };
-    let flows = || read_status(&a.iface).and_then(|s| s.engine.get("flows").copied());
+    let flows = || engine_flows(&a);
     for round in 0..5 {
         for ip in &ips {
             a.wait_peer_mode(ip, "cm_up", Duration::from_secs(30))
