@@ -137,7 +137,20 @@ pub struct PeerStatus {
     pub state: String,
     pub why: String,
     pub failures: u32,
+    /// While `failures` counts any: the last one (kept while the next setup runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<FailureStatus>,
     pub promotions: u64,
+}
+
+/// A peer's last failed setup or broken connection, in the status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct FailureStatus {
+    pub reason: Failure,
+    /// The reason in words.
+    pub said: String,
+    /// Seconds since it failed, when the status was written.
+    pub secs_ago: u64,
 }
 
 /// Where receives land, and what they cost, in the CM status.
@@ -1156,7 +1169,7 @@ impl Manager {
     fn write_status(&self) {
         let peers = self
             .core
-            .peers()
+            .peers(monotonic_ns())
             .into_iter()
             .map(PeerStatus::from)
             .collect();
@@ -1243,6 +1256,11 @@ impl From<PeerView> for PeerStatus {
             state: p.state.into(),
             why: p.why,
             failures: p.failures,
+            last_failure: p.last_failure.map(|l| FailureStatus {
+                reason: l.why,
+                said: l.why.to_string(),
+                secs_ago: l.ago.as_secs(),
+            }),
             promotions: p.promotions,
         }
     }

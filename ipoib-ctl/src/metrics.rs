@@ -49,6 +49,12 @@ struct PeerState {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FailureReason {
+    iface: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PeerPath {
     iface: String,
     peer: String,
@@ -266,6 +272,20 @@ fn cm_counters(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
         let c: Family<Iface, Counter> = family(reg, name, help);
         c.get_or_create(iface).inc_by(v);
     }
+    cm_peers(reg, iface, cm);
+    let engine: Family<Event, Counter> =
+        family(reg, "engine_events", "The connected-mode engine's counters");
+    for (event, v) in &cm.engine {
+        let l = Event {
+            iface: iface.iface.clone(),
+            event: event.clone(),
+        };
+        engine.get_or_create(&l).inc_by(*v);
+    }
+}
+
+/// Connected mode's peers by state, and those failing by their last failure's reason.
+fn cm_peers(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
     let peers: Family<PeerState, Gauge> = family(
         reg,
         "cm_peers",
@@ -279,14 +299,24 @@ fn cm_counters(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
         };
         peers.get_or_create(&l).set(n as i64);
     }
-    let engine: Family<Event, Counter> =
-        family(reg, "engine_events", "The connected-mode engine's counters");
-    for (event, v) in &cm.engine {
-        let l = Event {
+    let failing: Family<FailureReason, Gauge> = family(
+        reg,
+        "cm_peers_failing",
+        "Peers whose last setup failed or connection broke (not on CM since), by reason",
+    );
+    for reason in crate::promotion::Failure::ALL {
+        let n = cm
+            .peers
+            .iter()
+            .filter(|p| {
+                p.state != "cm" && p.last_failure.as_ref().is_some_and(|l| l.reason == reason)
+            })
+            .count();
+        let l = FailureReason {
             iface: iface.iface.clone(),
-            event: event.clone(),
+            reason: reason.key().to_owned(),
         };
-        engine.get_or_create(&l).inc_by(*v);
+        failing.get_or_create(&l).set(n as i64);
     }
 }
 
@@ -342,7 +372,15 @@ mod tests {
             c["peers"] = serde_json::json!([
                 {"addr": "10.0.0.2", "state": "cm", "why": "", "failures": 0, "promotions": 1},
                 {"addr": "10.0.0.3", "state": "backoff", "why": "", "failures": 2,
-                 "promotions": 1}
+                 "last_failure": {"reason": "not_running", "said": "", "secs_ago": 3},
+                 "promotions": 1},
+                {"addr": "10.0.0.4", "state": "connecting", "why": "", "failures": 1,
+                 "last_failure": {"reason": "not_running", "said": "", "secs_ago": 9},
+                 "promotions": 0},
+                // Up again after a failure: failing no more.
+                {"addr": "10.0.0.5", "state": "cm", "why": "", "failures": 1,
+                 "last_failure": {"reason": "timeout", "said": "", "secs_ago": 30},
+                 "promotions": 2}
             ]);
             v["cm"] = c;
         }
@@ -386,7 +424,16 @@ mod tests {
             (r#"ipoib_cm_setups_established_total{iface="ib0"}"#, 4.0),
             (r#"ipoib_cm_setups_failed_total{iface="ib0"}"#, 2.0),
             (r#"ipoib_cm_srq_low_events_total{iface="ib0"}"#, 1.0),
-            (r#"ipoib_cm_peers{iface="ib0",state="cm"}"#, 1.0),
+            (r#"ipoib_cm_peers{iface="ib0",state="cm"}"#, 2.0),
+            (r#"ipoib_cm_peers{iface="ib0",state="connecting"}"#, 1.0),
+            (
+                r#"ipoib_cm_peers_failing{iface="ib0",reason="not_running"}"#,
+                2.0,
+            ),
+            (
+                r#"ipoib_cm_peers_failing{iface="ib0",reason="timeout"}"#,
+                0.0,
+            ),
             (r#"ipoib_cm_peers{iface="ib0",state="backoff"}"#, 1.0),
             (r#"ipoib_cm_peers{iface="ib0",state="ud"}"#, 0.0),
             (

@@ -83,8 +83,9 @@ pub struct Sample {
     pub cm_bytes: u64,
 }
 
-/// Why a connection failed or ended badly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why a connection failed or ended badly; in JSON by its key (`not_running`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Failure {
     Rejected,
     Timeout,
@@ -109,6 +110,29 @@ impl fmt::Display for Failure {
             }
             Failure::Network => "a network error on the handshake",
         })
+    }
+}
+
+impl Failure {
+    pub const ALL: [Failure; 6] = [
+        Failure::Rejected,
+        Failure::Timeout,
+        Failure::QpError,
+        Failure::NoResources,
+        Failure::NotRunning,
+        Failure::Network,
+    ];
+
+    /// Its key, as JSON and the metrics' `reason` label name it.
+    pub fn key(self) -> &'static str {
+        match self {
+            Failure::Rejected => "rejected",
+            Failure::Timeout => "timeout",
+            Failure::QpError => "qp_error",
+            Failure::NoResources => "no_resources",
+            Failure::NotRunning => "not_running",
+            Failure::Network => "network",
+        }
     }
 }
 
@@ -246,6 +270,9 @@ struct Peer {
     /// When it last moved bulk data (or any, in mode `connected`), or over its connection.
     last_active: Option<u64>,
     failures: u32,
+    /// The last of the `failures` and when it came: kept through the retry, so status says
+    /// why the peer is not on CM while the next setup runs.
+    last_failure: Option<(u64, Failure)>,
     why: UdWhy,
     /// Connections set up for this peer, over its life (flap count).
     promotions: u64,
@@ -260,6 +287,7 @@ impl Peer {
             rate: 0.0,
             last_active: None,
             failures: 0,
+            last_failure: None,
             why: UdWhy::BelowThreshold,
             promotions: 0,
         }
@@ -281,9 +309,18 @@ pub struct Explain {
     pub pin: Pin,
     pub rate: f64,
     pub failures: u32,
+    /// While `failures` counts any: the last one, and how long ago it came.
+    pub last_failure: Option<LastFailure>,
     pub promotions: u64,
     /// For a peer on UD (not in backoff): why it is not on CM.
     pub why: Option<UdWhy>,
+}
+
+/// The last failure of a peer's run of failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LastFailure {
+    pub why: Failure,
+    pub ago: Duration,
 }
 
 impl fmt::Display for Explain {
@@ -291,7 +328,16 @@ impl fmt::Display for Explain {
         let rate = self.rate / 1e6;
         match self.state {
             State::Up { .. } => write!(f, "cm: connected ({rate:.1} MB/s bulk)"),
-            State::Connecting { .. } => write!(f, "ud: connecting"),
+            State::Connecting { .. } => match self.last_failure {
+                Some(l) => write!(
+                    f,
+                    "ud: connecting (last failure {} s ago: {}; {} failure(s))",
+                    l.ago.as_secs(),
+                    l.why,
+                    self.failures
+                ),
+                None => write!(f, "ud: connecting"),
+            },
             State::Draining { why, .. } => write!(f, "ud: closing ({why:?})"),
             State::Backoff { last, .. } => write!(
                 f,
@@ -497,6 +543,7 @@ impl<K: Ord + Clone> Promoter<K> {
                 p.failures = 0;
             }
             p.failures = p.failures.saturating_add(1);
+            p.last_failure = Some((now, why));
             let shift = (p.failures - 1).min(20);
             let backoff = ns(cfg.backoff_initial)
                 .saturating_mul(1 << shift)
@@ -519,6 +566,7 @@ impl<K: Ord + Clone> Promoter<K> {
                         return;
                     }
                     p.failures = 0;
+                    p.last_failure = None;
                     p.state = State::Ud {
                         hold_until: now + hold,
                     };
@@ -722,12 +770,17 @@ impl<K: Ord + Clone> Promoter<K> {
         Some(evictable.remove(i).1)
     }
 
-    pub fn explain(&self, key: &K) -> Option<Explain> {
+    /// What status shows of a peer, at `now`.
+    pub fn explain(&self, now: u64, key: &K) -> Option<Explain> {
         self.peers.get(key).map(|p| Explain {
             state: p.state,
             pin: p.pin,
             rate: p.rate,
             failures: p.failures,
+            last_failure: p.last_failure.map(|(at, why)| LastFailure {
+                why,
+                ago: Duration::from_nanos(now.saturating_sub(at)),
+            }),
             promotions: p.promotions,
             why: matches!(p.state, State::Ud { .. }).then_some(p.why),
         })
@@ -798,7 +851,7 @@ mod tests {
         }
 
         fn state(&self, k: u32) -> State {
-            self.p.explain(&k).unwrap().state
+            self.p.explain(self.now, &k).unwrap().state
         }
     }
 
@@ -819,10 +872,13 @@ mod tests {
         assert!(matches!(s.state(1), State::Connecting { .. }));
         // Many small packets are no reason for CM, however many bytes; a slow bulk flow
         // is below the threshold.
-        let e2 = s.p.explain(&2).unwrap();
+        let e2 = s.p.explain(s.now, &2).unwrap();
         assert_eq!(e2.why, Some(UdWhy::BelowThreshold));
         assert_eq!(e2.rate, 0.0);
-        assert_eq!(s.p.explain(&3).unwrap().why, Some(UdWhy::BelowThreshold));
+        assert_eq!(
+            s.p.explain(s.now, &3).unwrap().why,
+            Some(UdWhy::BelowThreshold)
+        );
         s.p.connected(s.now, &1);
         assert!(matches!(s.state(1), State::Up { .. }));
         // No second Connect while it is up.
@@ -843,16 +899,22 @@ mod tests {
         // The pinned peer still gets CM; the bulk sender stays UD, and so does the quiet
         // one: on this path no rate is enough, so both give the path as the reason.
         assert_eq!(acts, vec![Action::Connect(3)]);
-        let e1 = s.p.explain(&1).unwrap();
+        let e1 = s.p.explain(s.now, &1).unwrap();
         assert_eq!(e1.why, Some(UdWhy::UdOffloaded));
         assert!(e1.rate > 40.0 * MB as f64, "{e1:?}");
         assert!(e1.to_string().contains("segments in the device"), "{e1}");
-        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::UdOffloaded));
+        assert_eq!(
+            s.p.explain(s.now, &2).unwrap().why,
+            Some(UdWhy::UdOffloaded)
+        );
         // The same bulk sender is promoted at the first tick once the path builds every
         // datagram in the CPU (offload turned off): its rate was kept all along.
         s.p.set_ud_path(UdPath::PerPacket);
         assert_eq!(s.second(&bulk), vec![Action::Connect(1)]);
-        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::BelowThreshold));
+        assert_eq!(
+            s.p.explain(s.now, &2).unwrap().why,
+            Some(UdWhy::BelowThreshold)
+        );
     }
 
     #[test]
@@ -867,7 +929,10 @@ mod tests {
         // Mode datagram says so, whatever the path.
         s.p.set_mode(Mode::Datagram);
         s.second(&[(2, 50 * MB, 65000, 0)]);
-        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::ModeDatagram));
+        assert_eq!(
+            s.p.explain(s.now, &2).unwrap().why,
+            Some(UdWhy::ModeDatagram)
+        );
     }
 
     #[test]
@@ -939,7 +1004,7 @@ mod tests {
                 again = Some(i);
                 break;
             }
-            assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::Hold));
+            assert_eq!(s.p.explain(s.now, &1).unwrap().why, Some(UdWhy::Hold));
         }
         assert_eq!(again, Some(20));
     }
@@ -981,7 +1046,10 @@ mod tests {
             &[1, 2, 4, 8, 16, 16],
             "attempts at {attempts:?}"
         );
-        assert_eq!(s.p.explain(&1).unwrap().failures as usize, attempts.len());
+        assert_eq!(
+            s.p.explain(s.now, &1).unwrap().failures as usize,
+            attempts.len()
+        );
         // A connection that lives min_hold clears the count: the next failure backs off 1 s.
         while s.second(&[(1, 50 * MB, 65000, 0)]) != vec![Action::Connect(1)] {}
         s.p.connected(s.now, &1);
@@ -989,7 +1057,7 @@ mod tests {
             s.second(&[(1, 50 * MB, 65000, 50 * MB)]);
         }
         s.p.failed(s.now, &1, Failure::QpError);
-        assert_eq!(s.p.explain(&1).unwrap().failures, 1);
+        assert_eq!(s.p.explain(s.now, &1).unwrap().failures, 1);
         assert!(matches!(s.state(1), State::Backoff { until, .. } if until == s.now + S));
     }
 
@@ -1020,7 +1088,7 @@ mod tests {
                 (3, 25 * MB, 65000, 25 * MB),
             ]);
             assert!(a.is_empty(), "{a:?}");
-            assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::PlanFull));
+            assert_eq!(s.p.explain(s.now, &1).unwrap().why, Some(UdWhy::PlanFull));
         }
         // Peer 3 goes quiet and peer 1 speeds up: 3 (the least recently active) is evicted,
         // once, and 1 takes its slot when it is free.
@@ -1107,7 +1175,7 @@ mod tests {
             let a = s.second(&[(1, 20 * MB, 65000, 20 * MB), (2, 900 * MB, 65000, 0)]);
             assert!(a.is_empty(), "{a:?}");
         }
-        assert_eq!(s.p.explain(&2).unwrap().why, Some(UdWhy::PlanFull));
+        assert_eq!(s.p.explain(s.now, &2).unwrap().why, Some(UdWhy::PlanFull));
     }
 
     /// Status says why a setup failed, in words that tell the causes apart.
@@ -1121,21 +1189,96 @@ mod tests {
         );
         s.p.failed(s.now, &1, Failure::NotRunning);
         assert_eq!(
-            s.p.explain(&1).unwrap().to_string(),
+            s.p.explain(s.now, &1).unwrap().to_string(),
             "ud: retry after the peer runs no ipoib-hybrid (nothing of ours answers its \
              handshake port) (1 failure(s) in a row)"
         );
-        let all = [
-            Failure::Rejected,
-            Failure::Timeout,
-            Failure::QpError,
-            Failure::NoResources,
-            Failure::NotRunning,
-            Failure::Network,
-        ];
+        let all = Failure::ALL;
         let words: std::collections::HashSet<String> = all.iter().map(|f| f.to_string()).collect();
         assert_eq!(words.len(), all.len(), "{words:?}");
         assert!(words.iter().all(|w| !w.is_empty()));
+        // The keys JSON and the metrics use: one each, and serde's name is the same key.
+        let keys: std::collections::HashSet<&str> = all.iter().map(|f| f.key()).collect();
+        assert_eq!(keys.len(), all.len(), "{keys:?}");
+        for f in all {
+            assert_eq!(
+                serde_json::to_string(&f).unwrap(),
+                format!("\"{}\"", f.key())
+            );
+        }
+    }
+
+    /// While a retry runs, status still says why the last setup failed, and how long ago; a
+    /// connection closed cleanly ends the run of failures.
+    #[test]
+    fn a_retry_keeps_the_last_failure_in_view() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        let bulk = [(1, 20 * MB, 65000, 0)];
+        s.second(&bulk);
+        assert_eq!(s.second(&bulk), vec![Action::Connect(1)]);
+        let failed_at = s.now;
+        s.p.failed(s.now, &1, Failure::NotRunning);
+        let retried = (0..30).any(|_| s.second(&bulk) == vec![Action::Connect(1)]);
+        assert!(retried, "{:?}", s.state(1));
+        let e = s.p.explain(s.now, &1).unwrap();
+        assert!(matches!(e.state, State::Connecting { .. }), "{e:?}");
+        let ago = Duration::from_nanos(s.now - failed_at);
+        assert!(ago >= Duration::from_secs(1), "{ago:?}");
+        let last = LastFailure {
+            why: Failure::NotRunning,
+            ago,
+        };
+        assert_eq!(e.last_failure, Some(last));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "ud: connecting (last failure {} s ago: the peer runs no ipoib-hybrid (nothing \
+                 of ours answers its handshake port); 1 failure(s))",
+                ago.as_secs()
+            )
+        );
+        // A second failure takes its place.
+        s.p.failed(s.now, &1, Failure::Timeout);
+        let e = s.p.explain(s.now + S, &1).unwrap();
+        assert_eq!(
+            (e.failures, e.last_failure.map(|l| l.why)),
+            (2, Some(Failure::Timeout))
+        );
+        assert_eq!(e.last_failure.unwrap().ago, Duration::from_secs(1));
+        // Connected, then taken down by policy and closed: no failure left to show.
+        while s.second(&bulk) != vec![Action::Connect(1)] {}
+        s.p.connected(s.now, &1);
+        assert!(matches!(s.state(1), State::Up { .. }), "{:?}", s.state(1));
+        s.p.set_mode(Mode::Datagram);
+        assert_eq!(
+            s.second(&bulk),
+            vec![Action::Disconnect(1, Demotion::Datagram)]
+        );
+        s.p.closed(s.now, &1);
+        let e = s.p.explain(s.now, &1).unwrap();
+        assert_eq!((e.failures, e.last_failure), (0, None));
+    }
+
+    /// A connection that worked for a while and then broke starts a new run of one failure.
+    #[test]
+    fn a_failure_after_a_lasting_connection_is_the_first_of_a_new_run() {
+        let mut s = Sim::new(cfg(4), Mode::Auto);
+        let bulk = [(1, 20 * MB, 65000, 0)];
+        s.second(&bulk);
+        s.second(&bulk);
+        s.p.failed(s.now, &1, Failure::Rejected);
+        while s.second(&bulk) != vec![Action::Connect(1)] {}
+        s.p.connected(s.now, &1);
+        for _ in 0..cfg(4).min_hold.as_secs() {
+            s.second(&bulk);
+        }
+        s.p.failed(s.now, &1, Failure::QpError);
+        let e = s.p.explain(s.now, &1).unwrap();
+        let last = LastFailure {
+            why: Failure::QpError,
+            ago: Duration::ZERO,
+        };
+        assert_eq!((e.failures, e.last_failure), (1, Some(last)));
     }
 
     #[test]
@@ -1160,9 +1303,12 @@ mod tests {
                     .is_empty()
             );
         }
-        assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::ModeDatagram));
         assert_eq!(
-            s.p.explain(&1).unwrap().to_string(),
+            s.p.explain(s.now, &1).unwrap().why,
+            Some(UdWhy::ModeDatagram)
+        );
+        assert_eq!(
+            s.p.explain(s.now, &1).unwrap().to_string(),
             "ud: mode=datagram (50.0 MB/s bulk)"
         );
     }
@@ -1178,7 +1324,10 @@ mod tests {
         // A silent peer is not promoted.
         s.second(&[(9, 0, 1, 0)]);
         s.second(&[(9, 0, 1, 0)]);
-        assert_eq!(s.p.explain(&9).unwrap().why, Some(UdWhy::BelowThreshold));
+        assert_eq!(
+            s.p.explain(s.now, &9).unwrap().why,
+            Some(UdWhy::BelowThreshold)
+        );
     }
 
     #[test]
@@ -1189,7 +1338,7 @@ mod tests {
         let a = s.second(&[(8, 500 * MB, 65000, 0)]);
         assert_eq!(a, vec![Action::Connect(7)], "pinned CM first, even silent");
         s.second(&[(8, 500 * MB, 65000, 0)]);
-        assert_eq!(s.p.explain(&8).unwrap().why, Some(UdWhy::Pinned));
+        assert_eq!(s.p.explain(s.now, &8).unwrap().why, Some(UdWhy::Pinned));
         // Pinned CM is never reaped for idleness.
         s.p.connected(s.now, &7);
         for _ in 0..100 {
@@ -1214,7 +1363,7 @@ mod tests {
         }
         assert_eq!(per_tick, vec![10, 10, 10, 10, 10]);
         let waiting = (0..100)
-            .filter(|k| s.p.explain(k).unwrap().why == Some(UdWhy::SetupRate))
+            .filter(|k| s.p.explain(s.now, k).unwrap().why == Some(UdWhy::SetupRate))
             .count();
         assert_eq!(waiting, 50);
     }
@@ -1300,7 +1449,7 @@ mod tests {
         let mut s = Sim::new(cfg(0), Mode::Connected);
         s.second(&[(1, 50 * MB, 65000, 0)]);
         assert!(s.second(&[(1, 50 * MB, 65000, 0)]).is_empty());
-        assert_eq!(s.p.explain(&1).unwrap().why, Some(UdWhy::NoPlan));
+        assert_eq!(s.p.explain(s.now, &1).unwrap().why, Some(UdWhy::NoPlan));
     }
 
     #[test]
@@ -1313,7 +1462,7 @@ mod tests {
         };
         p.observe(S, 1, big);
         p.observe(2 * S, 1, Sample::default());
-        assert_eq!(p.explain(&1).unwrap().rate, 0.0);
+        assert_eq!(p.explain(0, &1).unwrap().rate, 0.0);
     }
 
     #[test]
@@ -1328,7 +1477,7 @@ mod tests {
         );
         assert_eq!(s.p.counts().draining, 1);
         s.p.closed(s.now, &1);
-        assert!(s.p.explain(&1).is_none());
+        assert!(s.p.explain(s.now, &1).is_none());
         assert_eq!(s.p.counts(), Counts::default());
     }
 
@@ -1338,7 +1487,7 @@ mod tests {
         s.second(&[(1, 0, 1, 0)]);
         s.second(&[(1, 10 * MB, 65000, 0)]);
         // 10 MB in one second, weighed 0.5 against the rate before (0).
-        assert_eq!(s.p.explain(&1).unwrap().rate, 5.0 * MB as f64);
+        assert_eq!(s.p.explain(s.now, &1).unwrap().rate, 5.0 * MB as f64);
         // More bytes, but no time passed: no rate can be taken from it.
         let t = s.totals[&1];
         let more = Sample {
@@ -1347,7 +1496,7 @@ mod tests {
             ..t
         };
         s.p.observe(s.now, 1, more);
-        assert_eq!(s.p.explain(&1).unwrap().rate, 5.0 * MB as f64);
+        assert_eq!(s.p.explain(s.now, &1).unwrap().rate, 5.0 * MB as f64);
         // 8 MB more over the next 2 s: 4 MB/s, weighed against 5.
         let later = Sample {
             tx_bytes: more.tx_bytes + 8 * MB,
@@ -1355,7 +1504,7 @@ mod tests {
             ..more
         };
         s.p.observe(s.now + 2 * S, 1, later);
-        assert_eq!(s.p.explain(&1).unwrap().rate, 4.5 * MB as f64);
+        assert_eq!(s.p.explain(s.now, &1).unwrap().rate, 4.5 * MB as f64);
     }
 
     #[test]
@@ -1399,7 +1548,7 @@ mod tests {
         let mut s = Sim::new(c, Mode::Connected);
         s.second(&[(1, 0, 1, 0)]);
         s.second(&[(1, 1000, 100, 0)]);
-        let why = |s: &Sim| s.p.explain(&1).unwrap().why;
+        let why = |s: &Sim| s.p.explain(s.now, &1).unwrap().why;
         // Worth it (the plan is what stops it) for 5 s after it last sent, not at 5 s.
         for _ in 0..4 {
             s.second(&[]);
@@ -1414,7 +1563,7 @@ mod tests {
         let mut s = Sim::new(cfg(8), Mode::Auto);
         s.second(&[(1, 50 * MB, 65000, 0)]);
         s.second(&[(1, 50 * MB, 65000, 0)]);
-        assert_eq!(s.p.explain(&1).unwrap().promotions, 1);
+        assert_eq!(s.p.explain(s.now, &1).unwrap().promotions, 1);
     }
 
     #[test]
@@ -1429,7 +1578,7 @@ mod tests {
             let a = s.second(&[(7, 0, 1, 0), (8, 900 * MB, 65000, 0)]);
             assert!(a.is_empty(), "{a:?}");
         }
-        assert_eq!(s.p.explain(&8).unwrap().why, Some(UdWhy::PlanFull));
+        assert_eq!(s.p.explain(s.now, &8).unwrap().why, Some(UdWhy::PlanFull));
     }
 
     #[test]

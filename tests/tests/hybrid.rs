@@ -24,6 +24,7 @@ use std::{
 
 use ipoib_ctl::{
     connmgr::{CmStatus, PeerStatus, read_status},
+    promotion::Failure,
     status::{PeerView, Status},
 };
 use ipoib_tests::{
@@ -2785,11 +2786,18 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
     let p = seen.expect("A's policy knows B");
     eprintln!("B at A: {} ({}), {} failure(s)", p.state, p.why, p.failures);
     assert!(said, "no failed setup to B in 30 s: {p:?}");
-    assert!(
-        p.why.contains("runs no ipoib-hybrid"),
-        "B's setup failure shown as: {}",
-        p.why
-    );
+    // The reason stays in view while a retry after the backoff runs, in the field and the words.
+    let last = p
+        .last_failure
+        .as_ref()
+        .expect("the last failure in the status");
+    assert_eq!(last.reason, Failure::NotRunning, "{p:?}");
+    for said in [&p.why, &last.said] {
+        assert!(
+            said.contains("runs no ipoib-hybrid"),
+            "B's setup failure shown as: {said} ({p:?})"
+        );
+    }
     // UD, or cm_pending while a retry after the backoff runs (its packets go UD meanwhile).
     let view = a.peer(&b_ip).unwrap().expect("A knows B");
     assert_ne!(view.mode, "cm_up", "{view:?}");

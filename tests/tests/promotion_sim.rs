@@ -142,7 +142,7 @@ fn four_thousand_peers_on_a_plan_of_sixty_four() {
                     continue;
                 }
                 checked += 1;
-                let e = p.explain(&k).unwrap();
+                let e = p.explain(now, &k).unwrap();
                 let ok = matches!(
                     e.state,
                     State::Up { .. } | State::Connecting { .. } | State::Backoff { .. }

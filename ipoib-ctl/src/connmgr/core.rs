@@ -23,7 +23,7 @@ use ipoib_common::PeerMode;
 pub use crate::cm::Gone;
 use crate::{
     policy::Mode,
-    promotion::{Action, Demotion, Failure, Pin, Promoter, Sample, State, UdPath},
+    promotion::{Action, Demotion, Failure, LastFailure, Pin, Promoter, Sample, State, UdPath},
 };
 
 /// What the manager is to do, in the order given.
@@ -80,6 +80,7 @@ pub struct PeerView {
     pub state: &'static str,
     pub why: String,
     pub failures: u32,
+    pub last_failure: Option<LastFailure>,
     pub promotions: u64,
 }
 
@@ -203,7 +204,7 @@ impl Core {
     /// peer. It is kept within the plan and the policy, one per peer.
     pub fn handle_established(&mut self, now: u64, ip: IpAddr, qpn: u32) {
         let ours = matches!(
-            self.promoter.explain(&ip).map(|e| e.state),
+            self.promoter.explain(now, &ip).map(|e| e.state),
             Some(State::Connecting { .. })
         );
         let keep = if ours {
@@ -360,11 +361,12 @@ impl Core {
     }
 
     /// Every peer the policy knows, with why it is where it is.
-    pub fn peers(&self) -> Vec<PeerView> {
+    /// What status shows of each peer, at `now`.
+    pub fn peers(&self, now: u64) -> Vec<PeerView> {
         self.promoter
             .peers()
             .filter_map(|(ip, _)| {
-                let e = self.promoter.explain(ip)?;
+                let e = self.promoter.explain(now, ip)?;
                 let state = match e.state {
                     State::Ud { .. } => "ud",
                     State::Connecting { .. } => "connecting",
@@ -377,6 +379,7 @@ impl Core {
                     state,
                     why: e.to_string(),
                     failures: e.failures,
+                    last_failure: e.last_failure,
                     promotions: e.promotions,
                 })
             })

@@ -102,7 +102,7 @@ fn a_bulk_peer_is_connected_and_redirected_only_once_the_engine_has_its_route() 
     c.handle_route_added(ip(2), 77);
     assert_eq!(drain(&mut c), [Command::SetPeerMode(ip(2), PeerMode::CmUp)]);
     assert_eq!(c.connections(), 1);
-    assert_eq!(c.peers()[0].state, "cm");
+    assert_eq!(c.peers(0)[0].state, "cm");
 }
 
 #[test]
@@ -155,7 +155,7 @@ fn a_qp_error_sends_the_peer_ud_before_the_route_goes_and_backs_off() {
     c.handle_qp_error(t * SEC, 77, "status 12");
     assert_eq!(drain(&mut c), demoted(ip(2), 77, true));
     assert_eq!(c.connections(), 0);
-    assert_eq!(c.peers()[0].state, "backoff");
+    assert_eq!(c.peers(0)[0].state, "backoff");
     // Still bulk, but in backoff: no setup at the next tick.
     assert_eq!(tick(&mut c, t, 4, vec![bulk(ip(2), t, 60)]), []);
     // The watcher then reports the connection it closed: nothing more to undo but the map.
@@ -169,7 +169,13 @@ fn a_failed_setup_is_ud_with_backoff_unless_the_peers_connection_is_up() {
     let t = promote(&mut c, ip(2), 4);
     c.handle_setup_failed(t * SEC, ip(2), Failure::Timeout);
     assert_eq!(drain(&mut c), [Command::SetPeerMode(ip(2), PeerMode::Ud)]);
-    assert_eq!(c.peers()[0].state, "backoff");
+    assert_eq!(c.peers(0)[0].state, "backoff");
+    // Status says what failed and how long ago, as of when it is asked.
+    let last = LastFailure {
+        why: Failure::Timeout,
+        ago: std::time::Duration::from_secs(3),
+    };
+    assert_eq!(c.peers((t + 3) * SEC)[0].last_failure, Some(last));
 
     // Crossing: the peer's connection came up first; our setup's end changes nothing.
     let mut c = core(4);
@@ -197,7 +203,7 @@ fn a_silent_peer_is_a_failure_and_a_closing_peer_is_not() {
         let t = up(&mut c, ip(2), 77, 4);
         c.handle_closed(t * SEC, ip(2), 77, Some(gone));
         assert_eq!(drain(&mut c), demoted(ip(2), 77, false), "{gone:?}");
-        assert_eq!(c.peers()[0].state, state, "{gone:?}");
+        assert_eq!(c.peers(0)[0].state, state, "{gone:?}");
     }
 }
 
@@ -380,11 +386,11 @@ fn the_ud_path_of_a_tick_decides_promotion_by_rate_and_none_keeps_the_last() {
         assert_eq!(drain(&mut c), []);
     }
     assert_eq!(c.ud_path(), UdPath::Offloaded);
-    assert_eq!(c.peers()[0].state, "ud");
+    assert_eq!(c.peers(0)[0].state, "ud");
     assert!(
-        c.peers()[0].why.contains("segments in the device"),
+        c.peers(0)[0].why.contains("segments in the device"),
         "{:?}",
-        c.peers()[0]
+        c.peers(0)[0]
     );
     c.handle_tick(8 * SEC, offloaded(8, Some(UdPath::PerPacket), ip(2)));
     assert_eq!(
