@@ -5,6 +5,7 @@
 
 mod install;
 mod provision;
+mod slow;
 #[cfg(test)]
 mod spawned;
 mod vm;
@@ -79,6 +80,10 @@ enum Cmd {
         /// Skip the run on Debian's 6.1 kernel in the VM (CI does not skip it).
         #[arg(long)]
         no_vm: bool,
+        /// The VM run in the slow-machine mode: the VM held to 2/FACTOR CPUs (a cgroup's CPU
+        /// quota), as slow as CI's slowest machines (2.5 when given no value).
+        #[arg(long, value_name = "FACTOR", num_args = 0..=1, default_missing_value = "2.5")]
+        slow: Option<f64>,
         /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
         #[arg(last = true)]
         args: Vec<String>,
@@ -96,6 +101,10 @@ enum Cmd {
         /// Show what the tests print (their measurements) even when they pass.
         #[arg(long)]
         nocapture: bool,
+        /// The slow-machine mode: the VM held to 2/FACTOR CPUs (a cgroup's CPU quota), as
+        /// slow as CI's slowest machines (2.5 when given no value).
+        #[arg(long, value_name = "FACTOR", num_args = 0..=1, default_missing_value = "2.5")]
+        slow: Option<f64>,
     },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
     Bench {
@@ -230,20 +239,35 @@ fn main() -> Result<()> {
             provision::run(provision::Scope { vm: false })?;
             install::run(&root, &install::Layout { destdir, prefix })
         }
-        Cmd::Test { no_vm, args } => {
+        Cmd::Test { no_vm, slow, args } => {
             test(&root, &args)?;
             if no_vm {
                 println!("==> skipping the 6.1 VM run (--no-vm)");
                 Ok(())
             } else {
-                vm::test(&root, &[], &[], false)
+                vm::test(
+                    &root,
+                    &vm::Run {
+                        slow,
+                        ..vm::Run::default()
+                    },
+                )
             }
         }
         Cmd::VmTest {
             targets,
             filter,
             nocapture,
-        } => vm::test(&root, &targets, &filter, nocapture),
+            slow,
+        } => vm::test(
+            &root,
+            &vm::Run {
+                targets,
+                filters: filter,
+                nocapture,
+                slow,
+            },
+        ),
         Cmd::Bench {
             what:
                 Bench::Datapath {
@@ -453,7 +477,7 @@ fn bench_in_vm(root: &Path, bin: &str, args: &[String], out: &str) -> Result<()>
         args.join(" ")
     );
     let mut result = None;
-    vm::run(root, &script, |line| {
+    vm::run(root, &script, None, |line| {
         if let Some(j) = line.strip_prefix("BENCH-JSON ") {
             result = Some(j.to_string());
         }
@@ -567,7 +591,7 @@ fn run(root: &Path, duration: u32, json: bool, no_vm: bool) -> Result<()> {
         lab.display(),
         args.join(" ")
     );
-    vm::run(root, &script, |_| {})
+    vm::run(root, &script, None, |_| {})
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {

@@ -10,12 +10,12 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{StatusOk as _, cargo, is_root, provision};
+use crate::{StatusOk as _, cargo, is_root, provision, slow::CpuCap};
 
 /// The newest Debian 6.1 kernel image installed.
 pub fn kernel() -> Result<PathBuf> {
@@ -77,8 +77,20 @@ pub const TARGETS: &[&str] = &[
     "fastpath", "lab", "netlink", "upgrade", "verbs", "cm", "engine", "hybrid",
 ];
 
-pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -> Result<()> {
-    for f in filters {
+/// What `vm-test` runs, and how.
+#[derive(Debug, Default)]
+pub struct Run {
+    /// Test targets (all of [`TARGETS`] when empty).
+    pub targets: Vec<String>,
+    /// libtest's name filters.
+    pub filters: Vec<String>,
+    pub nocapture: bool,
+    /// The slow-machine mode's factor ([`CpuCap`]), or None to run at full speed.
+    pub slow: Option<f64>,
+}
+
+pub fn test(root: &Path, r: &Run) -> Result<()> {
+    for f in &r.filters {
         let ok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
         if f.is_empty() || !f.chars().all(ok) {
             bail!("--filter takes a test name or part of one (letters, digits, _ and ::): `{f}`");
@@ -87,14 +99,10 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
     if !is_root() {
         bail!("the VM tests need root (the lab inside builds network namespaces)");
     }
-    provision::run(provision::Scope { vm: true })?;
-    cargo(root)
-        .args(["build", "-q", "-p", "ipoib-ctl", "--bins"])
-        .status_ok("cargo build ipoib-ctl")?;
-    let targets: Vec<&str> = if only.is_empty() {
+    let targets: Vec<&str> = if r.targets.is_empty() {
         TARGETS.to_vec()
     } else {
-        for t in only {
+        for t in &r.targets {
             if !TARGETS.contains(&t.as_str()) {
                 bail!(
                     "unknown VM test target `{t}` (targets: {})",
@@ -102,14 +110,25 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
                 );
             }
         }
-        only.iter().map(String::as_str).collect()
+        r.targets.iter().map(String::as_str).collect()
     };
+    // Before anything is built: a machine without the cgroup controller says so at once.
+    let cap = r.slow.map(CpuCap::new).transpose()?;
+    provision::run(provision::Scope { vm: true })?;
+    cargo(root)
+        .args(["build", "-q", "-p", "ipoib-ctl", "--bins"])
+        .status_ok("cargo build ipoib-ctl")?;
     let bins = test_binaries(root, &targets)?;
     let names: Vec<&str> = bins.iter().map(|(n, _)| n.as_str()).collect();
     let mut seen = Progress::new(&names);
-    match run(root, &test_script(&bins, filters, nocapture), |line| {
-        seen.see(line)
-    }) {
+    let t0 = Instant::now();
+    let (filters, nocapture) = (&r.filters, r.nocapture);
+    let result = match run(
+        root,
+        &test_script(&bins, filters, nocapture),
+        cap.as_ref(),
+        |line| seen.see(line, t0.elapsed()),
+    ) {
         Err(e) if e.is::<Frozen>() => {
             // A VM that hangs in its boot (as when its script was cut by the kernel command
             // line's limit), freezes or locks up is given one more boot, for the binaries that
@@ -125,26 +144,39 @@ pub fn test(root: &Path, only: &[String], filters: &[String], nocapture: bool) -
                 listed(seen.passed.iter().map(String::as_str)),
                 listed(seen.failed.iter().map(String::as_str)),
             );
-            if rest.is_empty() {
+            let failed_before = seen.failed.clone();
+            let again = if rest.is_empty() {
                 // Frozen after the last binary's summary (on its way down).
                 println!("==> {e}: every binary had finished ({before})");
+                Ok(())
             } else {
                 println!(
                     "==> {e}: booting it again (once) for {} ({before})",
                     listed(rest.iter().map(|(n, _)| n.as_str())),
                 );
-                run(root, &test_script(&rest, filters, nocapture), |_| {})
-                    .context("tests failed inside the VM (second boot)")?;
-            }
-            if !seen.failed.is_empty() {
-                bail!(
-                    "tests failed inside the VM before it froze: {}",
-                    seen.failed.join(", ")
-                );
-            }
+                run(
+                    root,
+                    &test_script(&rest, filters, nocapture),
+                    cap.as_ref(),
+                    |line| seen.see(line, t0.elapsed()),
+                )
+                .context("tests failed inside the VM (second boot)")
+            };
+            again.and_then(|()| {
+                if failed_before.is_empty() {
+                    Ok(())
+                } else {
+                    bail!(
+                        "tests failed inside the VM before it froze: {}",
+                        failed_before.join(", ")
+                    )
+                }
+            })
         }
-        r => r.context("tests failed inside the VM")?,
-    }
+        r => r.context("tests failed inside the VM"),
+    };
+    print!("{}", seen.report(t0.elapsed(), cap.as_ref()));
+    result?;
     println!("==> VM tests passed");
     Ok(())
 }
@@ -166,12 +198,14 @@ fn test_script(bins: &[(String, PathBuf)], filters: &[String], nocapture: bool) 
          *) [ \"$t\" -gt 120 ] && echo \"[long-running] ${t}s $rest\";; esac; done; done) & ",
     );
     script.push_str(KEEP_HOOKS);
-    // Each binary within 45 minutes (the hybrid suite takes about 17): a test that hangs
-    // fails the run, with the watchdog's list of what it waited on, inside CI's 90.
+    // Each binary within 45 minutes: a test that hangs fails the run, with the watchdog's
+    // list of what it waited on, inside CI's 90. Each test's time is libtest's own
+    // (--report-time), unstable, so unlocked for the stable-built binaries by RUSTC_BOOTSTRAP.
     for (name, exe) in bins {
         script.push_str(&format!(
             "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 \
-             timeout -s KILL 2700 {} --test-threads=1 {} {} || rc=1; ",
+             RUSTC_BOOTSTRAP=1 timeout -s KILL 2700 {} --test-threads=1 \
+             -Z unstable-options --report-time {} {} || rc=1; ",
             exe.display(),
             if nocapture { "--nocapture" } else { "" },
             filters.join(" ")
@@ -195,15 +229,21 @@ const KEEP_HOOKS: &str = "{ nft add table inet ipoib_vm_keys && nft add chain in
      || echo 'warning: no netfilter input hook held (nft failed): a test that adds one may \
      freeze the VM'; ";
 
-/// What one boot's lines say of each test binary: passed (its summary said ok), failed (its
+/// What the boots' lines say of each test binary: passed (its summary said ok), failed (its
 /// summary said otherwise, or the next one started without a summary: it was killed or
-/// crashed), or not finished (running when the VM froze, or not started).
+/// crashed), or not finished (running when the VM froze, or not started); and how long each
+/// binary and each test took.
 #[derive(Debug, Default)]
 struct Progress {
     names: Vec<String>,
-    running: Option<String>,
+    /// The binary running, and when it started (time since the run began).
+    running: Option<(String, Duration)>,
     passed: Vec<String>,
     failed: Vec<String>,
+    /// Each binary's time, from its start line to its summary.
+    binaries: Vec<(String, Duration)>,
+    /// Each test's time, as libtest reports it: (binary, test, time).
+    tests: Vec<(String, String, Duration)>,
 }
 
 impl Progress {
@@ -214,8 +254,8 @@ impl Progress {
         }
     }
 
-    /// One line the VM printed on stdout.
-    fn see(&mut self, line: &str) {
+    /// One line the VM printed on stdout, `at` this long after the run began.
+    fn see(&mut self, line: &str, at: Duration) {
         // "==> NAME on 6.1.0-57-amd64", printed by the script before each binary.
         let started = line
             .strip_prefix("==> ")
@@ -223,23 +263,59 @@ impl Progress {
             .map(|(n, _)| n)
             .filter(|n| self.names.iter().any(|m| m == n));
         if let Some(name) = started {
-            if let Some(before) = self.running.replace(name.to_string()) {
+            if let Some((before, _)) = self.running.replace((name.to_string(), at)) {
                 self.failed.push(before);
             }
         } else if let Some(result) = line.strip_prefix("test result: ")
-            && let Some(name) = self.running.take()
+            && let Some((name, since)) = self.running.take()
         {
+            self.binaries.push((name.clone(), at.saturating_sub(since)));
             if result.starts_with("ok.") {
                 self.passed.push(name);
             } else {
                 self.failed.push(name);
             }
+        } else if let Some((test, took)) = test_time(line)
+            && let Some((bin, _)) = &self.running
+        {
+            self.tests.push((bin.clone(), test.to_string(), took));
         }
     }
 
     fn unfinished(&self, name: &str) -> bool {
         !self.passed.iter().chain(&self.failed).any(|n| n == name)
     }
+
+    /// Each binary's time, then the ten slowest tests, after a run of `total`.
+    fn report(&self, total: Duration, cap: Option<&CpuCap>) -> String {
+        let mut out = format!(
+            "==> VM run: {:.0} s in all{}\n",
+            total.as_secs_f64(),
+            cap.map(|c| format!(" ({})", c.describe()))
+                .unwrap_or_default()
+        );
+        for (bin, took) in &self.binaries {
+            let n = self.tests.iter().filter(|(b, ..)| b == bin).count();
+            out += &format!("    {:>7.1} s  {bin} ({n} tests)\n", took.as_secs_f64());
+        }
+        let mut slowest: Vec<_> = self.tests.iter().collect();
+        slowest.sort_by_key(|t| std::cmp::Reverse(t.2));
+        if !slowest.is_empty() {
+            out += "==> the ten slowest tests:\n";
+        }
+        for (bin, test, took) in slowest.into_iter().take(10) {
+            out += &format!("    {:>7.1} s  {bin}::{test}\n", took.as_secs_f64());
+        }
+        out
+    }
+}
+
+/// A test's name and time from libtest's line for it under --report-time
+/// (`test hybrid_x::srq ... ok <12.345s>`).
+fn test_time(line: &str) -> Option<(&str, Duration)> {
+    let (name, rest) = line.strip_prefix("test ")?.split_once(" ... ")?;
+    let secs = rest.rsplit_once(" <")?.1.strip_suffix("s>")?;
+    Some((name, Duration::try_from_secs_f64(secs.parse().ok()?).ok()?))
 }
 
 /// Names for a message, "none" for none.
@@ -314,8 +390,13 @@ fn lines_to(r: impl Read + Send + 'static, stdout: bool, tx: mpsc::Sender<(bool,
 /// Boots Debian's 6.1 kernel and runs `script` (bash) inside, with the host's filesystem and
 /// this directory shared. Every line the VM prints is echoed with a `[vm]` prefix and stdout
 /// lines are passed to `on_line`. Fails if the VM did not boot (the script must print a line
-/// starting with `==> `) or the script exits non-zero.
-pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<()> {
+/// starting with `==> `) or the script exits non-zero. With `cap`, the VM runs inside it.
+pub fn run(
+    root: &Path,
+    script: &str,
+    cap: Option<&CpuCap>,
+    mut on_line: impl FnMut(&str),
+) -> Result<()> {
     // The script goes in a file the VM reads through the shared filesystem: vng passes
     // --exec on the kernel command line, which holds 2048 bytes, and a longer script (six test
     // binaries and the watchdog) was cut there: the VM then hung in its boot, printing nothing.
@@ -333,10 +414,20 @@ pub fn run(root: &Path, script: &str, mut on_line: impl FnMut(&str)) -> Result<(
     if std::env::var("IPOIB_VM_KVM").as_deref() != Ok("1") {
         vng.arg("--disable-kvm");
     }
+    if let Some(cap) = cap {
+        println!("==> {}", cap.describe());
+        cap.hold(&mut vng);
+    }
     let mut child = vng
         .arg("-r")
         .arg(&kernel)
-        .args(["--cpus", "2", "--memory", "2G", "--exec"])
+        .args([
+            "--cpus",
+            &crate::slow::VM_CPUS.to_string(),
+            "--memory",
+            "2G",
+            "--exec",
+        ])
         .arg(format!("bash {}", file.display()))
         .current_dir(root)
         .stdin(Stdio::null())
@@ -407,7 +498,7 @@ mod tests {
             "==> engine on 6.1.0-57-amd64",
             "test b ... ",
         ] {
-            p.see(line);
+            p.see(line, Duration::ZERO);
         }
         assert_eq!(p.passed, ["lab"]);
         assert_eq!(p.failed, ["verbs", "cm"]);
@@ -418,6 +509,54 @@ mod tests {
         assert_eq!(unfinished, ["engine", "hybrid"]);
         assert_eq!(listed(p.failed.iter().map(String::as_str)), "verbs, cm");
         assert_eq!(listed(std::iter::empty()), "none");
+    }
+
+    #[test]
+    fn each_binary_and_test_has_its_time_and_the_slowest_come_first() {
+        let mut p = Progress::new(&["cm", "hybrid"]);
+        let s = Duration::from_secs;
+        for (at, line) in [
+            (0, "==> cm on 6.1.0-57-amd64"),
+            (5, "test a ... ok <4.500s>"),
+            (9, "test b ... FAILED <3.000s>"),
+            (
+                10,
+                "test result: FAILED. 1 passed; 1 failed; finished in 10.00s",
+            ),
+            (11, "==> hybrid on 6.1.0-57-amd64"),
+            // Not a test's line: its own output, or libtest without --report-time.
+            (12, "test c ... ok"),
+            (13, "test d ... ok <x>"),
+            (40, "test e::srq ... ok <28.250s>"),
+            (51, "test result: ok. 2 passed; 0 failed"),
+        ] {
+            p.see(line, s(at));
+        }
+        assert_eq!(p.binaries, [("cm".into(), s(10)), ("hybrid".into(), s(40))]);
+        let tests: Vec<(&str, &str, f64)> = p
+            .tests
+            .iter()
+            .map(|(b, t, d)| (b.as_str(), t.as_str(), d.as_secs_f64()))
+            .collect();
+        assert_eq!(
+            tests,
+            [
+                ("cm", "a", 4.5),
+                ("cm", "b", 3.0),
+                ("hybrid", "e::srq", 28.25)
+            ]
+        );
+        let report = p.report(s(52), None);
+        assert_eq!(
+            report,
+            "==> VM run: 52 s in all\n\
+             \x20      10.0 s  cm (2 tests)\n\
+             \x20      40.0 s  hybrid (1 tests)\n\
+             ==> the ten slowest tests:\n\
+             \x20      28.2 s  hybrid::e::srq\n\
+             \x20       4.5 s  cm::a\n\
+             \x20       3.0 s  cm::b\n"
+        );
     }
 
     #[test]
