@@ -399,6 +399,12 @@ impl Rng {
     }
 }
 
+/// Whether this is the long run (`cargo xtask vm-test --long`, which sets IPOIB_TEST_LONG=1):
+/// a scenario runs its full rounds there, a cheaper sibling of it in the suite.
+pub fn long_run() -> bool {
+    std::env::var("IPOIB_TEST_LONG").as_deref() == Ok("1")
+}
+
 /// Says that a test skipped, where a person sees it: the test harness captures the output of
 /// passing tests, so this writes to the process' stderr file itself.
 pub fn loud_skip(test: &str, why: &str) {

@@ -105,6 +105,10 @@ enum Cmd {
         /// slow as CI's slowest machines (2.5 when given no value).
         #[arg(long, value_name = "FACTOR", num_args = 0..=1, default_missing_value = "2.5")]
         slow: Option<f64>,
+        /// The long run, before a release: every scenario on both receive models, and the
+        /// full rounds of those the suite runs shorter.
+        #[arg(long)]
+        long: bool,
     },
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
     Bench {
@@ -259,6 +263,7 @@ fn main() -> Result<()> {
             filter,
             nocapture,
             slow,
+            long,
         } => vm::test(
             &root,
             &vm::Run {
@@ -266,6 +271,7 @@ fn main() -> Result<()> {
                 filters: filter,
                 nocapture,
                 slow,
+                long,
             },
         ),
         Cmd::Bench {

@@ -87,6 +87,9 @@ pub struct Run {
     pub nocapture: bool,
     /// The slow-machine mode's factor ([`CpuCap`]), or None to run at full speed.
     pub slow: Option<f64>,
+    /// The long run: the ignored tests too (scenarios on their second receive model), and
+    /// the full rounds of those the suite runs shorter (IPOIB_TEST_LONG=1).
+    pub long: bool,
 }
 
 pub fn test(root: &Path, r: &Run) -> Result<()> {
@@ -122,10 +125,16 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
     let names: Vec<&str> = bins.iter().map(|(n, _)| n.as_str()).collect();
     let mut seen = Progress::new(&names);
     let t0 = Instant::now();
-    let (filters, nocapture) = (&r.filters, r.nocapture);
+    let mut args = r.filters.clone();
+    if r.nocapture {
+        args.push("--nocapture".into());
+    }
+    if r.long {
+        args.push("--include-ignored".into());
+    }
     let result = match run(
         root,
-        &test_script(&bins, filters, nocapture),
+        &test_script(&bins, &args, r.long),
         cap.as_ref(),
         |line| seen.see(line, t0.elapsed()),
     ) {
@@ -156,7 +165,7 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
                 );
                 run(
                     root,
-                    &test_script(&rest, filters, nocapture),
+                    &test_script(&rest, &args, r.long),
                     cap.as_ref(),
                     |line| seen.see(line, t0.elapsed()),
                 )
@@ -181,8 +190,9 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
     Ok(())
 }
 
-/// The script that runs `bins` in one boot; its status is the run's status.
-fn test_script(bins: &[(String, PathBuf)], filters: &[String], nocapture: bool) -> String {
+/// The script that runs `bins` in one boot, each with libtest's `args`; its status is the
+/// run's status.
+fn test_script(bins: &[(String, PathBuf)], args: &[String], long: bool) -> String {
     // The engine's TUN device needs the tun module (devtmpfs then makes /dev/net/tun).
     // The kernel's warnings and errors go to the log as they come (a lockup in rdma_rxe
     // would otherwise show only as a test that never ends).
@@ -204,11 +214,11 @@ fn test_script(bins: &[(String, PathBuf)], filters: &[String], nocapture: bool) 
     for (name, exe) in bins {
         script.push_str(&format!(
             "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 \
-             RUSTC_BOOTSTRAP=1 timeout -s KILL 2700 {} --test-threads=1 \
-             -Z unstable-options --report-time {} {} || rc=1; ",
+             IPOIB_TEST_LONG={} RUSTC_BOOTSTRAP=1 timeout -s KILL 2700 {} --test-threads=1 \
+             -Z unstable-options --report-time {} || rc=1; ",
+            u8::from(long),
             exe.display(),
-            if nocapture { "--nocapture" } else { "" },
-            filters.join(" ")
+            args.join(" ")
         ));
     }
     script.push_str("exit $rc");
