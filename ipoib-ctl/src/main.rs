@@ -214,7 +214,7 @@ struct CmArgs {
     /// Engine lanes: the CM engine's TUN device gets this many queues, each read by an engine
     /// on a thread of its own with a CQ and a share of the send slots, every peer's packets by
     /// the engine of its connection (1: one engine, on the control loop's thread). More than
-    /// one pays only with CPUs to spare; see the README's `bench lanes`.
+    /// one pays only with CPUs to spare; see `bench lanes` in docs/benchmarks.md.
     #[arg(long, default_value_t = 1, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=16))]
     cm_lanes: u32,

@@ -183,7 +183,7 @@ pub enum State {
 }
 
 /// How the interface's UD path carries bulk traffic, which decides whether mode `auto` moves
-/// a busy peer to CM. From `bench hop` (README: two runs, 1 and 4 TCP streams on one host's
+/// a busy peer to CM. From `bench hop` (docs/benchmarks.md: two runs, 1 and 4 TCP streams on one host's
 /// kernel):
 /// - per packet (datagram mode with no segmentation offload, 2044 bytes): the engine's hop
 ///   moved 1.4-1.9x the bytes per second at 0.73-0.83x the CPU per byte: CM pays for a busy
