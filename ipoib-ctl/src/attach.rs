@@ -5,10 +5,12 @@
 //! control plane that exits leaves the datapath running (the heartbeat goes stale and the
 //! fail-safe sends every packet UD); one that starts again adopts the pins, so counters go on
 //! and traffic never sees a gap. Pins of an earlier map layout are replaced in place
-//! ([`crate::upgrade`]).
+//! ([`upgrade`]).
 //!
 //! What bpffs cannot hold (how egress was attached, the control plane's own settings, the
 //! control loop's pid) lives in `/run/ipoib-ctl/IFACE.json`.
+
+pub mod upgrade;
 
 use std::{
     fs,
@@ -274,7 +276,7 @@ pub fn open(iface: &str) -> Result<DatapathMaps> {
             dir,
         });
     }
-    let layout = crate::upgrade::pinned_layout(&dir);
+    let layout = upgrade::pinned_layout(&dir);
     if layout != ipoib_common::LAYOUT {
         return Err(AttachError::OtherLayout {
             iface: iface.to_string(),
@@ -452,7 +454,7 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
         max_connections: None,
         loop_pid: None,
         netns: None,
-        layout: crate::upgrade::pinned_layout(&dir),
+        layout: upgrade::pinned_layout(&dir),
     });
     // Adopted here: this is its namespace now.
     state.netns = current_netns();
@@ -464,9 +466,9 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
             now: dev.ifindex,
         });
     }
-    match crate::upgrade::pinned_layout(&dir) {
+    match upgrade::pinned_layout(&dir) {
         ipoib_common::LAYOUT => {}
-        1 => state = crate::upgrade::from_layout_1(dev, &dir, state)?,
+        1 => state = upgrade::from_layout_1(dev, &dir, state)?,
         other => {
             return Err(AttachError::Bpffs(format!(
                 "{}: pins of an unknown layout ({other}); `ipoib-ctl detach {}` removes them",

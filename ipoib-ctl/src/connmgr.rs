@@ -11,6 +11,8 @@
 //! Runs inside the control loop's one runtime ([`crate::daemon`]), the engine as a task of it.
 
 mod core;
+mod engine_task;
+mod start;
 
 use std::{
     collections::HashMap,
@@ -25,7 +27,6 @@ use std::{
 };
 
 use ipoib_common::{PeerEntry, PeerKey, PeerMode, PeerPin};
-use serde::Serialize;
 use tokio::{
     io::{Interest, unix::AsyncFd},
     sync::{mpsc, oneshot, watch},
@@ -33,20 +34,24 @@ use tokio::{
 };
 
 pub use self::core::{Command, Core, PeerView, TickInput, Traffic};
+use self::engine_task::{EngineTask, make_engines, spawn_engine, stop_engine, task_end};
+use self::start::{cap, pins};
+pub use self::start::{listen, live_cap, probe};
 use crate::{
     clock::monotonic_ns,
-    cm::{Cm, Connection, Gone, RejectReason, SetupConfig, SetupError},
+    cm::{Cm, Connection, Gone, RejectReason, Resolve, SetupConfig, SetupError},
     engine::{
         Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Fault,
         HOUSEKEEPING, RawFdRef, Route,
     },
-    ledger::{Ledger, Share},
+    ledger::Ledger,
     maps::{DatapathMaps, MapsError},
-    netdev::{self, NetdevError, Resolve},
+    netdev::{self, NetdevError},
     plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
     policy::Mode,
     promotion::{Config as PromotionConfig, Failure, Promoter, UdPath},
     rtnl::{self, AddressMirror, Rtnl},
+    status::cm::{CmStatus, FailureStatus, NodeBudget, PeerStatus, ReceiveStatus},
     tun::{Tun, TunError},
     verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
 };
@@ -94,6 +99,13 @@ pub enum CmError {
     ListenerStopped(String),
 }
 
+/// A netlink request's failure is the interface's, as the exit codes tell them apart.
+impl From<rtnl::RtnlError> for CmError {
+    fn from(e: rtnl::RtnlError) -> Self {
+        CmError::Netdev(e.into())
+    }
+}
+
 /// What `attach` passes in.
 #[derive(Debug, Clone)]
 pub struct CmOptions {
@@ -130,133 +142,6 @@ pub struct CmOptions {
     pub test_faults: bool,
 }
 
-/// One peer in the status.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct PeerStatus {
-    pub addr: IpAddr,
-    pub state: String,
-    pub why: String,
-    pub failures: u32,
-    /// While `failures` counts any: the last one (kept while the next setup runs).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_failure: Option<FailureStatus>,
-    pub promotions: u64,
-}
-
-/// A peer's last failed setup or broken connection, in the status.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct FailureStatus {
-    pub reason: Failure,
-    /// The reason in words.
-    pub said: String,
-    /// Seconds since it failed, when the status was written.
-    pub secs_ago: u64,
-}
-
-/// Where receives land, and what they cost, in the CM status.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, Default, PartialEq, Eq)]
-pub struct ReceiveStatus {
-    /// "srq" (one shared receive queue) or "rings" (a ring per connection).
-    pub model: String,
-    /// Buffers of the SRQ, or of each ring.
-    pub depth: u32,
-    /// Rings that exist now (set up, in use or being torn down), and the plan's K.
-    pub rings: u32,
-    pub max_rings: u32,
-    /// Receive memory registered now, and the plan's budget.
-    pub registered_bytes: u64,
-    pub budget_bytes: u64,
-    /// Rings made, refused at K, and the mean time to register one (µs).
-    pub rings_made: u64,
-    pub rings_refused: u64,
-    pub ring_register_us: u64,
-}
-
-impl ReceiveStatus {
-    fn of(recv: &Receive, budget_bytes: u64) -> Self {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let registered_bytes = recv.registered_bytes();
-        match recv {
-            Receive::Srq(srq) => Self {
-                model: "srq".into(),
-                depth: srq.depth,
-                registered_bytes,
-                budget_bytes,
-                ..Self::default()
-            },
-            Receive::Rings(pool) => {
-                let made = get(&pool.made);
-                Self {
-                    model: "rings".into(),
-                    depth: pool.depth,
-                    rings: pool.in_use(),
-                    max_rings: pool.max,
-                    registered_bytes,
-                    budget_bytes,
-                    rings_made: made,
-                    rings_refused: get(&pool.refused),
-                    ring_register_us: get(&pool.register_ns) / made.max(1) / 1000,
-                }
-            }
-        }
-    }
-}
-
-/// What the CM side reports, written as JSON to `status_path` every tick.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, Default)]
-pub struct CmStatus {
-    pub device: String,
-    pub tun: String,
-    #[serde(default)]
-    pub receive: ReceiveStatus,
-    /// The SRQ's buffers (0 with rings per connection).
-    pub srq_depth: u32,
-    /// Times fewer than a quarter of the SRQ's buffers were posted (the SRQ limit event).
-    #[serde(default)]
-    pub srq_low_events: u64,
-    pub max_connections: usize,
-    pub mode: String,
-    /// How the interface's UD path segments: `per-packet` (mode auto promotes busy peers) or
-    /// `offloaded` (TSO: it promotes none by rate); see [`UdPath`].
-    #[serde(default)]
-    pub ud_path: String,
-    pub connections: usize,
-    pub established: u64,
-    pub failed: u64,
-    /// The node's budget, and what each attached interface holds of it.
-    #[serde(default)]
-    pub node: NodeBudget,
-    /// Incoming handshake streams waiting for their REQ now, and those dropped (oldest
-    /// first) because too many waited.
-    #[serde(default)]
-    pub awaiting_req: u64,
-    #[serde(default)]
-    pub dropped_awaiting_req: u64,
-    /// Tasks alive in the control loop's runtime.
-    #[serde(default)]
-    pub tasks: u64,
-    /// The latest the policy's tick ran after its time, since connected mode started: how
-    /// long the thread that runs the control loop, the engine and the handshakes was kept
-    /// from it (milliseconds).
-    #[serde(default)]
-    pub tick_late_max_ms: u64,
-    /// Engines, one per lane (TUN queue); `engine` counts for all of them.
-    #[serde(default)]
-    pub engine_lanes: u32,
-    pub engine: HashMap<String, u64>,
-    pub peers: Vec<PeerStatus>,
-}
-
-/// Where `iface`'s control loop writes its CM status.
-pub fn status_path(iface: &str) -> PathBuf {
-    crate::attach::run_file(iface, "cm.json")
-}
-
-/// The CM status of `iface` as its control loop last wrote it.
-pub fn read_status(iface: &str) -> Option<CmStatus> {
-    serde_json::from_slice(&std::fs::read(status_path(iface)).ok()?).ok()
-}
-
 impl From<&SetupError> for Failure {
     fn from(e: &SetupError) -> Self {
         match e {
@@ -278,293 +163,37 @@ impl From<&SetupError> for Failure {
     }
 }
 
+/// Where receives land now, and what they cost, for the CM status.
+fn receive_status(recv: &Receive, budget_bytes: u64) -> ReceiveStatus {
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let registered_bytes = recv.registered_bytes();
+    match recv {
+        Receive::Srq(srq) => ReceiveStatus {
+            model: "srq".into(),
+            depth: srq.depth,
+            registered_bytes,
+            budget_bytes,
+            ..ReceiveStatus::default()
+        },
+        Receive::Rings(pool) => {
+            let made = get(&pool.made);
+            ReceiveStatus {
+                model: "rings".into(),
+                depth: pool.depth,
+                rings: pool.in_use(),
+                max_rings: pool.max,
+                registered_bytes,
+                budget_bytes,
+                rings_made: made,
+                rings_refused: get(&pool.refused),
+                ring_register_us: get(&pool.register_ns) / made.max(1) / 1000,
+            }
+        }
+    }
+}
+
 /// GSO packets larger than this would not fit one RC message with the engine's header.
 pub const GSO_MAX_SIZE: u32 = 65000;
-
-/// Makes the stack accept IPv4 packets written into the TUN device from peers whose route is
-/// the IPoIB interface. The reverse-path filter uses max(all, device): the device's own
-/// setting goes to 0; with `all` at 2 (loose, systemd's default) a device without an IPv4
-/// address still fails the check (fib_validate_source: no address -> last resort -> drop;
-/// seen here: 13 packets in on the TUN device, 13 fewer delivered), so the interface's IPv4
-/// addresses are added to it as /32 without a prefix route, which changes no routing. With
-/// `all` at 1 (strict) nothing arriving on the TUN device passes: said loudly.
-async fn accept_on_tun(
-    iface: &rtnl::Link,
-    tun: &rtnl::Link,
-) -> Result<Option<AddressMirror>, CmError> {
-    std::fs::write(
-        format!("/proc/sys/net/ipv4/conf/{}/rp_filter", tun.name),
-        "0",
-    )?;
-    let all = std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter").unwrap_or_default();
-    match all.trim() {
-        "1" => tracing::warn!(
-            "net.ipv4.conf.all.rp_filter=1 (strict) drops what connected mode receives on {}: \
-             set it to 2 (loose) or 0",
-            tun.name
-        ),
-        // The interface's addresses now, and as they change (an address added later would
-        // otherwise fail the check for packets to it).
-        "2" => {
-            return Ok(Some(
-                AddressMirror::start(iface.clone(), tun.clone()).await?,
-            ));
-        }
-        _ => {}
-    }
-    Ok(None)
-}
-
-/// The device, its plan and the verbs resources sized by it.
-struct Hca {
-    dev: Device,
-    res: Arc<Resources>,
-    model: ReceiveModel,
-    plan: plan::Plan,
-}
-
-impl Hca {
-    /// The SRQ's buffers (0 with rings per connection).
-    fn srq_depth(&self) -> u32 {
-        match self.model {
-            ReceiveModel::Srq { depth } => depth,
-            ReceiveModel::Rings { .. } => 0,
-        }
-    }
-
-    fn max_connections(&self) -> usize {
-        self.plan.max_cm_peers as usize
-    }
-}
-
-/// Opens the device, joins the node's budget (its ledger) and builds what the plan says
-/// ([`plan::plan_for_node`]). The receive model follows the HCA: an SRQ where it has one (and
-/// `--srq off` did not turn it down), rings per connection otherwise, and also where making
-/// the SRQ fails or the node's budget has no room left for one. An SRQ's memory is taken from
-/// the node's budget at once; rings take theirs one at a time, as connections come, so any
-/// interface may use what the others do not.
-fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
-    let dev = open_device(&opts.device)?;
-    let limits = dev.limits()?;
-    let pkey_index = partition_index(&dev, opts.port, opts.pkey)?;
-    let mem = verbs::system_memory();
-    let node = opts.node_budget.unwrap_or(plan::budget(mem, None).0);
-    let ledger = Arc::new(Ledger::join(iface, node)?);
-    let (node, shares) = ledger.view()?;
-    if let Some(asked) = opts.memory_budget.filter(|b| *b > node) {
-        return Err(CmError::OverNodeBudget { asked, node });
-    }
-    let others: u64 = shares
-        .iter()
-        .filter(|s| s.iface != iface)
-        .map(|s| s.bytes)
-        .sum();
-    let free = node.saturating_sub(others);
-    let p = plan::plan_for_node(&limits, mem, node, free, opts.memory_budget, opts.srq);
-    if p.kind == PlanKind::Srq {
-        if ledger.try_take(p.memory_bytes)? {
-            match build(&dev, opts, &p, pkey_index) {
-                Err(CmError::Verbs(e)) => {
-                    ledger.give_back(p.memory_bytes)?;
-                    tracing::warn!(
-                        "{}: the SRQ could not be made ({e}): a receive ring per connection \
-                         instead",
-                        opts.device
-                    );
-                }
-                r => return Ok((r?, ledger)),
-            }
-        } else {
-            tracing::warn!(
-                "{}: another interface took the node's budget first: a receive ring per \
-                 connection instead",
-                opts.device
-            );
-        }
-    }
-    let p = plan::rings_for_node(&limits, mem, node, opts.memory_budget);
-    let hca = build(&dev, opts, &p, pkey_index)?;
-    if let Receive::Rings(pool) = &hca.res.recv {
-        pool.share_budget(ledger.clone());
-    }
-    Ok((hca, ledger))
-}
-
-/// Tests only (`--test-faults`): each start of connected mode waits after the HCA's setup,
-/// awaited as its netlink work is, the milliseconds in `RUN_DIR/IFACE.start-delay`: what a
-/// slow start does to the control loop, which goes on beside it.
-async fn test_start_delay(iface: &str, opts: &CmOptions) {
-    let path = crate::attach::run_file(iface, "start-delay");
-    let Some(text) = opts
-        .test_faults
-        .then(|| std::fs::read_to_string(&path).ok())
-        .flatten()
-    else {
-        return;
-    };
-    match text.trim().parse() {
-        Ok(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
-        Err(e) => tracing::warn!("{}: {e}", path.display()),
-    }
-}
-
-fn open_device(name: &str) -> Result<Device, CmError> {
-    Device::open(name).map_err(|e| match e {
-        VerbsError::NoDevices => CmError::NoDevice(name.to_string()),
-        e => e.into(),
-    })
-}
-
-/// Checks, before anything is changed, that connected mode can be set up on `port` of
-/// `device` in partition `pkey`: the device exists, has that port, and the port is in that
-/// partition. The P_Key index found.
-pub fn probe(device: &str, port: u8, pkey: Option<u16>) -> Result<u16, CmError> {
-    partition_index(&open_device(device)?, port, pkey)
-}
-
-/// Where partition `pkey` sits in the P_Key table of `port` (checked to be one of the
-/// device's), as the kernel's IPoIB finds it ([`crate::iblink::pkey_index`]); 0 (the
-/// default partition) where no partition is named.
-fn partition_index(dev: &Device, port: u8, pkey: Option<u16>) -> Result<u16, CmError> {
-    let ports = dev.port_count()?;
-    if !(1..=ports).contains(&port) {
-        return Err(CmError::NoPort {
-            device: dev.name().into(),
-            port,
-            ports,
-        });
-    }
-    let Some(pkey) = pkey else {
-        return Ok(0);
-    };
-    let table = dev.pkey_table(port)?;
-    let index = crate::iblink::pkey_index(&table, pkey).ok_or_else(|| CmError::NoPartition {
-        device: dev.name().into(),
-        port,
-        pkey,
-    })?;
-    tracing::info!(
-        "{}: partition 0x{pkey:04x} at P_Key index {index} of port {port} (table {table:04x?})",
-        dev.name()
-    );
-    Ok(index)
-}
-
-/// The resources of plan `p` on `dev`, QPs in the partition at `pkey_index`.
-fn build(dev: &Device, opts: &CmOptions, p: &plan::Plan, pkey_index: u16) -> Result<Hca, CmError> {
-    let (depth, k) = (
-        p.ring as u32,
-        p.max_cm_peers.min(u64::from(u32::MAX)) as u32,
-    );
-    let model = match p.kind {
-        PlanKind::Srq => ReceiveModel::Srq { depth },
-        PlanKind::PerConnection => ReceiveModel::Rings { depth, max: k },
-        PlanKind::UdOnly => {
-            return Err(CmError::NoPlan {
-                device: opts.device.clone(),
-                why: p.why.clone(),
-            });
-        }
-    };
-    let (buffer, t0) = (p.buffer_bytes as u32, std::time::Instant::now());
-    let res = Resources::create_lanes(
-        dev,
-        opts.port,
-        pkey_index,
-        model,
-        buffer,
-        opts.send_slots,
-        CM_BUF_STRIDE,
-        opts.lanes,
-    )?;
-    tracing::info!(
-        "{}: {model:?} and {} send slots set up in {:.1?}: {}",
-        opts.device,
-        opts.send_slots,
-        t0.elapsed(),
-        p.why
-    );
-    Ok(Hca {
-        dev: dev.clone(),
-        res,
-        model,
-        plan: p.clone(),
-    })
-}
-
-/// The TUN device `IFACEcm`: no IPv6 link-local address (the kernel's own chatter would come
-/// to the engine), a 64 KiB MTU, reverse-path filtering that accepts what arrives on it (see
-/// [`accept_on_tun`]). Returns it, its ifindex and what keeps its addresses.
-async fn open_tun(
-    rtnl: &Rtnl,
-    iface: &str,
-    queues: u32,
-) -> Result<(Vec<Tun>, u32, Option<AddressMirror>), CmError> {
-    let iface = rtnl::Link {
-        index: netdev::Netdev::lookup(iface)?.ifindex,
-        name: iface.to_string(),
-    };
-    // IFNAMSIZ is 16 with the NUL: 13 characters at most before the suffix.
-    let want = format!("{}cm", iface.name.chars().take(13).collect::<String>());
-    let tun = Tun::create_queues(&want, queues as usize, true)?;
-    let link = rtnl::Link {
-        index: netdev::Netdev::lookup(tun[0].name())?.ifindex,
-        name: tun[0].name().to_string(),
-    };
-    rtnl.bring_up_without_ipv6(link.index, 65520).await?;
-    let mirror = accept_on_tun(&iface, &link).await?;
-    Ok((tun, link.index, mirror))
-}
-
-/// The stack builds GSO packets for the interface the route uses: keep them small enough for
-/// one RC message (header included), or the engine would have to drop them. Returns what
-/// was changed, to undo.
-async fn lower_gso(
-    rtnl: Arc<Rtnl>,
-    iface: &str,
-    addresses: Option<AddressMirror>,
-) -> Result<LinkChanges, CmError> {
-    let link = rtnl.link(iface).await?;
-    let before = link.gso_max_size;
-    if before.is_none_or(|g| g > GSO_MAX_SIZE) {
-        rtnl.set_gso_max_size(link.index, GSO_MAX_SIZE).await?;
-        tracing::info!(
-            "{iface}: gso_max_size {} -> {GSO_MAX_SIZE} (a GSO packet must fit one RC \
-             message); restored on exit",
-            before.map_or("unknown".into(), |g| g.to_string())
-        );
-    }
-    Ok(LinkChanges {
-        rtnl,
-        iface_index: link.index,
-        gso_before: before,
-        _addresses: addresses,
-    })
-}
-
-/// A previous control loop that died (kill -9, a crash) left its peers CM_UP or CM_PENDING,
-/// pointing at a TUN device that is gone: UD until connected again.
-fn reset_peers(maps: &mut DatapathMaps) -> Result<(), CmError> {
-    for (key, e) in maps.peers()? {
-        if e.mode != u8::from(PeerMode::Ud) {
-            let entry = PeerEntry {
-                mode: PeerMode::Ud.into(),
-                cm_ifindex: 0,
-                generation: e.generation.wrapping_add(1),
-                ..e
-            };
-            maps.set_peer(key, entry)?;
-        }
-    }
-    Ok(())
-}
-
-/// The node's receive-memory budget in the status: its size and each interface's share.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, Default)]
-pub struct NodeBudget {
-    pub budget_bytes: u64,
-    pub shares: Vec<Share>,
-}
 
 /// A connection in the engine's routes, watched by its own task.
 struct Watched {
@@ -614,34 +243,6 @@ pub enum Input {
 pub const ENGINE_DEADLINE: Duration = Duration::from_millis(1500);
 // A live engine renews its proof of life at least twice within the deadline.
 const _: () = assert!(ENGINE_DEADLINE.as_millis() >= 2 * HOUSEKEEPING.as_millis());
-
-/// The running engine (its lanes') and how to stop it.
-struct EngineTask {
-    control: EngineControl,
-    /// Each lane's counters.
-    stats: Vec<Arc<EngineStats>>,
-    stop: watch::Sender<bool>,
-    /// The engine's task; with several lanes, a task that ends when the first lane does and
-    /// stops the others. None once it ended.
-    task: Option<JoinHandle<Result<(), EngineError>>>,
-}
-
-/// Why a task ended (the engine's, the listener's: `result` takes its outcome from what it
-/// returned): it returned, returned an error, panicked or was aborted. Never, once it was
-/// taken.
-async fn task_end<T, E: std::fmt::Display>(
-    task: &mut Option<JoinHandle<T>>,
-    result: impl FnOnce(T) -> Result<(), E>,
-) -> String {
-    let Some(t) = task else {
-        return std::future::pending().await;
-    };
-    match t.await.map(result) {
-        Ok(Ok(())) => "it returned".into(),
-        Ok(Err(e)) => e.to_string(),
-        Err(e) => e.to_string(),
-    }
-}
 
 /// Netlink, and what connected mode changed over it on the interface, undone in
 /// [`Manager::shutdown`] (gso_max_size) or when dropped (the address mirror).
@@ -721,109 +322,6 @@ impl Manager {
             res: Arc::downgrade(&self.res),
             ledger: Arc::downgrade(&self.ledger),
         }
-    }
-
-    /// Sets connected mode up on `iface` (attached, its maps pinned in `pin_dir`): the plan,
-    /// verbs resources, TUN device, engine, handshake listener and device events. When this
-    /// returns Ok, connected mode runs and every stale CM entry is reset to UD. Must be called
-    /// inside a tokio runtime.
-    pub async fn start(iface: &str, pin_dir: &Path, opts: CmOptions) -> Result<Self, CmError> {
-        let (t0, dev, port) = (std::time::Instant::now(), &opts.device, opts.port);
-        tracing::info!("starting connected mode on {iface}: {dev} port {port}");
-        // Blocking, on the loop's thread (made on another, the SRQ's region was missing from
-        // `rdma resource show mr` under our PID); 0.2-0.4 s on soft-RoCE. The rest is awaited.
-        let (hca, ledger) = open_hca(iface, &opts)?;
-        test_start_delay(iface, &opts).await;
-        let mut maps = DatapathMaps::from_pins(pin_dir)?;
-        let listener = listen(iface, opts.ctl_port)?;
-        let rtnl = Arc::new(Rtnl::new()?);
-        let (queues, tun_ifindex, addresses) = open_tun(&rtnl, iface, opts.lanes).await?;
-        let engines = make_engines(queues, hca.res.clone()).await?;
-        let device_events = watch_device(&hca.dev)?;
-        let _ = std::fs::remove_file(&opts.status_path);
-        reset_peers(&mut maps)?;
-        // Nothing fails past this point: what runs from here is undone by `shutdown`.
-        let link = lower_gso(rtnl, iface, addresses).await?;
-        let setup = SetupConfig {
-            device: Some(iface.to_string()),
-            ..SetupConfig::default()
-        };
-        let cm = Arc::new(Cm::new(hca.res.clone(), opts.ud_qpn, setup));
-        let core = new_core(iface, &opts, &hca, &cm);
-        let (acc_tx, accepted) = mpsc::unbounded_channel();
-        let serve = Some(tokio::spawn(cm.clone().serve(listener, acc_tx)));
-        let tun_name = engines[0].tun_name().to_string();
-        let (engine, engine_events) = spawn_engine(engines);
-        let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
-        let tick = crate::clock::delayed_interval(opts.tick);
-        let m = Self {
-            device_events,
-            iface: iface.to_string(),
-            core,
-            maps,
-            srq_depth: hca.srq_depth(),
-            plan_max: hca.max_connections(),
-            budget_bytes: hca.plan.budget_bytes,
-            ledger,
-            dev: hca.dev,
-            res: hca.res,
-            cm,
-            serve,
-            engine,
-            engine_events,
-            accepted,
-            outcomes_tx,
-            outcomes,
-            parked: HashMap::new(),
-            watched: HashMap::new(),
-            tick,
-            tun: tun_name,
-            tun_ifindex,
-            link,
-            opts,
-            looked_at: monotonic_ns(),
-            awake_since: monotonic_ns(),
-            tick_late_max: Duration::ZERO,
-        };
-        m.started(t0.elapsed());
-        Ok(m)
-    }
-
-    /// Says what runs, in the log and in the status file (before the first tick: whoever
-    /// sees the control loop up finds connected mode's status), and how long the start took
-    /// (the HCA's setup, the part that blocks, is logged by itself: "set up in").
-    fn started(&self, took: Duration) {
-        self.write_status();
-        tracing::info!("connected mode on {} started in {took:.1?}", self.iface);
-        let port = &self.res.port;
-        let receive = match &self.res.recv {
-            Receive::Srq(srq) => format!("SRQ {} x {CM_BUF_SIZE} B", srq.depth),
-            Receive::Rings(pool) => format!(
-                "a ring of {} x {CM_BUF_SIZE} B per connection, at most {} rings",
-                pool.depth, pool.max
-            ),
-        };
-        tracing::info!(
-            "CM on {}: {} port {} ({} GID index {}, P_Key index {}), TUN {}, {receive}, at \
-             most {} connections, handshake on TCP {}",
-            self.iface,
-            self.opts.device,
-            self.opts.port,
-            if port.ethernet { "RoCE" } else { "IB" },
-            port.gid_index,
-            port.pkey_index,
-            self.tun,
-            self.core.max_connections(),
-            self.opts.ctl_port
-        );
-        tracing::info!(
-            "{}",
-            ud_path_line(
-                &self.iface,
-                self.core.ud_path(),
-                self.opts.promotion.promote_rate
-            )
-        );
     }
 
     /// The next thing to handle. Cancel-safe: every branch is a channel receive, a tick or a
@@ -1178,7 +676,7 @@ impl Manager {
         let status = CmStatus {
             device: self.opts.device.clone(),
             tun: self.tun.clone(),
-            receive: ReceiveStatus::of(&self.res.recv, self.budget_bytes),
+            receive: receive_status(&self.res.recv, self.budget_bytes),
             node: self.ledger.view().map_or_else(
                 |e| {
                     tracing::debug!("the node budget's ledger: {e}");
@@ -1266,206 +764,6 @@ impl From<PeerView> for PeerStatus {
     }
 }
 
-/// The decision core with the plan's cap (lowered by policy), its setup limit already given
-/// to `cm`, before the listener takes a REQ.
-fn new_core(iface: &str, opts: &CmOptions, hca: &Hca, cm: &Cm) -> Core {
-    let mut promo = opts.promotion.clone();
-    let ring_bytes = hca.res.recv.rings().map(|p| p.ring_bytes());
-    promo.max_connections = cap(iface, hca.max_connections(), ring_bytes);
-    let mut promoter = Promoter::new(promo, Mode::Auto);
-    match netdev::tso_on(iface) {
-        Ok(tso) => promoter.set_ud_path(UdPath::of_tso(tso)),
-        Err(e) => tracing::warn!("{e}: the UD path is taken to build every datagram"),
-    }
-    let mut core = Core::new(promoter, hca.srq_depth());
-    while let Some(c) = core.next_command() {
-        if let Command::SetSetupLimit(n) = c {
-            cm.set_limit(n);
-        }
-    }
-    core
-}
-
-/// The handshake listener of `iface`: `[::]:port` (IPv4 too) bound to the interface
-/// (SO_BINDTODEVICE), so every attached interface of a node has its own on the same port, and
-/// a REQ is taken by the interface it came through, whose HCA port serves it.
-pub fn listen(iface: &str, port: u16) -> Result<tokio::net::TcpListener, CmError> {
-    let s = tokio::net::TcpSocket::new_v6()?;
-    s.set_reuseaddr(true)?;
-    s.bind_device(Some(iface.as_bytes()))?;
-    match s.bind(SocketAddr::from(([0u8; 16], port))) {
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Err(CmError::PortTaken {
-            iface: iface.to_string(),
-            port,
-        }),
-        r => r.map_err(CmError::from),
-    }?;
-    Ok(s.listen(1024)?)
-}
-
-/// The device's async fd, watched by the runtime.
-fn watch_device(dev: &Device) -> Result<AsyncFd<RawFdRef>, CmError> {
-    // SAFETY: the fd belongs to the device context, which the manager's `dev` keeps open for
-    // as long as this AsyncFd lives (the manager drops it first).
-    unsafe { AsyncFd::register_with_interest(RawFdRef(dev.async_fd()), Interest::READABLE) }
-        .map_err(|e| CmError::Io(e.into_parts().1))
-}
-
-/// Waits for the engine's task to end after its stop; one that does not within a second (a
-/// stalled engine) is aborted. Either way the engine, and its TUN device, are dropped.
-async fn stop_engine(mut task: JoinHandle<Result<(), EngineError>>) -> Result<(), CmError> {
-    match tokio::time::timeout(Duration::from_secs(1), &mut task).await {
-        Ok(Ok(r)) => r.map_err(CmError::from),
-        Ok(Err(e)) => Err(CmError::Io(io::Error::other(format!(
-            "the engine task: {e}"
-        )))),
-        Err(_) => {
-            task.abort();
-            let _ = task.await;
-            tracing::warn!("the engine did not stop within 1 s: aborted");
-            Ok(())
-        }
-    }
-}
-
-/// The engine with its control and events: one lane's as a task of this runtime; several
-/// lanes' each on a thread of its own, watched by a task of this runtime that ends when the
-/// first lane does (the others are then stopped: connected mode restarts whole).
-fn spawn_engine(mut engines: Vec<Engine>) -> (EngineTask, mpsc::UnboundedReceiver<EngineEvent>) {
-    let (events_tx, events) = mpsc::unbounded_channel();
-    for e in &mut engines {
-        e.report_to(events_tx.clone());
-    }
-    let control = engines[0].control();
-    let stats = engines.iter().map(Engine::stats).collect();
-    let (stop, stop_rx) = watch::channel(false);
-    let task = if engines.len() == 1 {
-        let mut engine = engines.remove(0);
-        tokio::spawn(async move {
-            let r = engine.run(stopped(stop_rx)).await;
-            drop(engine);
-            r
-        })
-    } else {
-        let stop_all = stop.clone();
-        tokio::spawn(async move {
-            let mut lanes = tokio::task::JoinSet::new();
-            for engine in engines {
-                lanes.spawn(on_thread(engine, stop_rx.clone()));
-            }
-            let first = lanes.join_next().await;
-            let _ = stop_all.send(true);
-            // The others end on the stop, their engines and TUN queues dropped; one that does
-            // not within a second (hung) is left to end with the process.
-            let rest = async { while lanes.join_next().await.is_some() {} };
-            let _ = tokio::time::timeout(Duration::from_secs(1), rest).await;
-            match first {
-                Some(Ok(r)) => r,
-                Some(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Some(Err(e)) => Err(EngineError::Lane(e.to_string())),
-                None => Ok(()),
-            }
-        })
-    };
-    let t = EngineTask {
-        control,
-        stats,
-        stop,
-        task: Some(task),
-    };
-    (t, events)
-}
-
-/// An engine per lane of `res`, one per TUN queue. One lane's on this thread (a node on one
-/// lane runs one thread per interface); several lanes' off it, since that gives the device the
-/// steering program (loaded the first time: tens of ms on a real CPU, seconds under
-/// emulation).
-async fn make_engines(queues: Vec<Tun>, res: Arc<Resources>) -> Result<Vec<Engine>, CmError> {
-    if queues.len() == 1 {
-        return Ok(Engine::lanes(queues, res, EngineConfig::default())?);
-    }
-    tokio::task::spawn_blocking(move || Engine::lanes(queues, res, EngineConfig::default()))
-        .await
-        .map_err(|e| CmError::Io(io::Error::other(format!("making the engines: {e}"))))?
-        .map_err(CmError::from)
-}
-
-/// Resolves once `stop` says so (or its sender is gone).
-async fn stopped(mut stop: watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
-}
-
-/// Runs one lane's engine on a thread of its own until `stop`; its result, or its panic,
-/// once it ends.
-async fn on_thread(engine: Engine, stop: watch::Receiver<bool>) -> Result<(), EngineError> {
-    let lane = engine.lane();
-    let (tx, rx) = oneshot::channel();
-    engine
-        .spawn_thread(stopped(stop), move |r| {
-            let _ = tx.send(r);
-        })
-        .map_err(|e| EngineError::Lane(format!("lane {lane}'s thread: {e}")))?;
-    match rx.await {
-        Ok(r) => r,
-        // The thread ended without a word: it panicked (and said so on stderr).
-        Err(_) => panic!("the engine of lane {lane} panicked"),
-    }
-}
-
-/// The operator's pins, by address, from the peers map as read.
-fn pins(peers: &[(PeerKey, PeerEntry)]) -> Vec<(IpAddr, PeerPin)> {
-    peers
-        .iter()
-        .filter_map(|(k, e)| Some((k.ip()?, PeerPin::try_from(e.pin).unwrap_or_default())))
-        .collect()
-}
-
-/// The plan's cap as the policy lowers it now ([`live_cap`]; the state file is read on
-/// every tick, so a `set-policy` takes effect live).
-fn cap(iface: &str, plan_max: usize, ring_bytes: Option<u64>) -> usize {
-    let state = crate::attach::read_state(iface);
-    live_cap(
-        plan_max,
-        state.as_ref().and_then(|s| s.max_connections),
-        state.as_ref().and_then(|s| s.memory_budget),
-        ring_bytes,
-    )
-}
-
-/// The connections allowed now: the plan's cap, lowered by policy `max-connections` and,
-/// with a receive ring per connection (`ring_bytes` each), by the rings policy
-/// `memory-budget` holds. Only lowered: the completion queue and the pool were sized for the
-/// plan at attach, so a budget above it, and any budget for an SRQ (made once), takes effect
-/// at the next attach.
-pub fn live_cap(
-    plan_max: usize,
-    max_connections: Option<u32>,
-    memory_budget: Option<u64>,
-    ring_bytes: Option<u64>,
-) -> usize {
-    let by_count = max_connections.map_or(plan_max, |n| n as usize);
-    let by_memory = match (memory_budget, ring_bytes) {
-        (Some(budget), Some(ring)) if ring > 0 => {
-            usize::try_from(budget / ring).unwrap_or(usize::MAX)
-        }
-        _ => plan_max,
-    };
-    plan_max.min(by_count).min(by_memory)
-}
-
-/// The start log's line on the UD path: what it is, what that means for mode `auto`, and the
-/// rate that makes a peer busy where a rate promotes at all (`promote_rate`, bytes/s).
-fn ud_path_line(iface: &str, path: UdPath, promote_rate: f64) -> String {
-    let busy = match path {
-        UdPath::PerPacket => format!(
-            " (a busy peer sends over {:.0} MiB/s in bulk)",
-            promote_rate / f64::from(1 << 20)
-        ),
-        UdPath::Offloaded => String::new(),
-    };
-    format!("{iface}: the UD path is {path}: {}{busy}", path.effect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::live_cap;
@@ -1505,7 +803,7 @@ mod tests {
     /// A rate threshold is named only where a rate promotes: never on an offloaded UD path.
     #[test]
     fn the_start_line_names_the_bulk_rate_only_where_it_promotes() {
-        use super::ud_path_line;
+        use super::start::ud_path_line;
         use crate::promotion::UdPath;
         let per_packet = ud_path_line("ib0", UdPath::PerPacket, 4.0 * f64::from(1 << 20));
         assert!(

@@ -2,7 +2,7 @@
 //!
 //! One module per concern: [`datapath`] loads the eBPF object, [`maps`] reads and writes its
 //! maps with the shared types of `ipoib-common`, [`attach`] attaches, adopts and detaches
-//! (pins), [`netdev`] asks the kernel about interfaces, [`policy`] parses and validates policy
+//! (pins; an earlier layout's pins replaced in place by [`attach::upgrade`]), [`netdev`] asks the kernel about interfaces, [`policy`] parses and validates policy
 //! changes (pure), [`promotion`] decides which peers get a CM connection (pure), [`status`] gathers and renders what the datapath reports, [`clock`] is the
 //! clock both sides share, [`tun`] is the CM engine's TUN device, [`steer`] steers its queues by destination, [`connmgr`] runs the CM side of `attach` (plan, engine, handshake, promotion, peer map), [`engine`] moves packets between the TUN device and RC connections, [`verbs`] is the only module that touches verbs and [`cm`] sets up
 //! RC connections with the handshake over the IP path.
@@ -29,5 +29,4 @@ pub mod signals;
 pub mod status;
 pub mod steer;
 pub mod tun;
-pub mod upgrade;
 pub mod verbs;

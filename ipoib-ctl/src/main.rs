@@ -302,7 +302,7 @@ fn cm_options(
     link: Option<&IbLink>,
     att: &attach::Attached,
 ) -> Result<Option<connmgr::CmOptions>> {
-    use ipoib_ctl::{connmgr::CmOptions, netdev::Resolve};
+    use ipoib_ctl::{cm::Resolve, connmgr::CmOptions};
     if args.no_cm {
         return Ok(None);
     }
@@ -341,7 +341,7 @@ fn cm_options(
         send_slots: ipoib_ctl::plan::SEND_SLOTS,
         lanes: args.cm_lanes,
         tick: Duration::from_secs(1),
-        status_path: connmgr::status_path(iface),
+        status_path: ipoib_ctl::status::cm::status_path(iface),
         promotion: ipoib_ctl::promotion::Config {
             idle_after: Duration::from_secs_f64(args.cm_idle_after),
             min_hold: Duration::from_secs_f64(args.cm_min_hold),
@@ -369,10 +369,10 @@ fn cm_device(args: &CmArgs, link: Option<&IbLink>) -> Option<String> {
 
 /// Our own UD QPN: in the IPoIB hardware address, or the lab's stand-in on Ethernet.
 fn own_ud_qpn(iface: &str, dev: &Netdev) -> Result<u32> {
-    use ipoib_ctl::{netdev, rtnl};
+    use ipoib_ctl::{cm, netdev::NetdevError, rtnl};
     if dev.is_ipoib() {
-        let link = rtnl::blocking(async |r| r.link(iface).await)?;
-        let hw = netdev::ipoib_hwaddr(&link.address).with_context(|| {
+        let link = rtnl::blocking(async |r| r.link(iface).await).map_err(NetdevError::from)?;
+        let hw = cm::ipoib_hwaddr(&link.address).with_context(|| {
             format!(
                 "{iface}: {:02x?} is no IPoIB hardware address",
                 link.address
@@ -380,13 +380,14 @@ fn own_ud_qpn(iface: &str, dev: &Netdev) -> Result<u32> {
         })?;
         return Ok(hw.ud_qpn);
     }
-    let ip = rtnl::blocking(async |r| r.ipv4_addrs(dev.ifindex).await)?
+    let ip = rtnl::blocking(async |r| r.ipv4_addrs(dev.ifindex).await)
+        .map_err(NetdevError::from)?
         .first()
         .copied()
         .with_context(|| {
             format!("{iface} has no IPv4 address for the lab's UD QPN (or --ud-qpn)")
         })?;
-    Ok(netdev::lab_ud_qpn(ip.into()))
+    Ok(cm::lab_ud_qpn(ip.into()))
 }
 
 /// One control loop per interface: an exclusive lock on /run/ipoib-ctl/IFACE.lock.
@@ -562,14 +563,17 @@ fn cmd_set_policy(iface: &str, settings: &[String], file: Option<&Path>) -> Resu
         "{iface}: {}",
         status::PolicyView::new(&p, Some(&state)).render()
     );
-    if let (Some(b), Some(cm)) = (change.memory_budget, connmgr::read_status(iface)) {
+    if let (Some(b), Some(cm)) = (
+        change.memory_budget,
+        ipoib_ctl::status::cm::read_status(iface),
+    ) {
         println!("{}", budget_note(b, &cm.receive));
     }
     Ok(())
 }
 
 /// When a new `memory-budget` reaches the running loop's receive side.
-fn budget_note(budget: u64, r: &connmgr::ReceiveStatus) -> String {
+fn budget_note(budget: u64, r: &ipoib_ctl::status::cm::ReceiveStatus) -> String {
     use ipoib_ctl::policy::format_size;
     let ring = u64::from(r.depth) * ipoib_ctl::plan::CM_BUF_STRIDE;
     let planned = r.max_rings as usize;

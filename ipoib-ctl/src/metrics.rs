@@ -17,7 +17,11 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{connmgr::CmStatus, maps::PeerCacheCounts, promotion::UdPath, status::Status};
+use crate::{
+    maps::PeerCacheCounts,
+    promotion::UdPath,
+    status::{Status, cm::CmStatus},
+};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Iface {

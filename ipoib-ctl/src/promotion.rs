@@ -1,9 +1,8 @@
 //! Who gets a CM connection: promotion, demotion, reaping and fallback, as pure logic.
 //!
 //! The engine feeds in what it sees (per-peer traffic counters, connection outcomes) with the
-//! time, and takes back [`Action`]s to carry out. Nothing here does I/O or reads a clock, so
-//! the same code runs in the engine, in unit tests and in the thousand-node simulation
-//! (`tests/tests/promotion_sim.rs`).
+//! time, and takes back [`Action`]s to carry out. Nothing here does I/O or reads a clock: the
+//! same code runs in the engine, the unit tests and the simulation (`promotion_sim.rs`).
 //!
 //! The rules, in the order [`Promoter::tick`] applies them:
 //! 1. **Demote** a live connection when the mode is `datagram`, the peer is pinned to UD or
@@ -183,16 +182,9 @@ pub enum State {
 }
 
 /// How the interface's UD path carries bulk traffic, which decides whether mode `auto` moves
-/// a busy peer to CM. From `bench hop` (docs/benchmarks.md: two runs, 1 and 4 TCP streams on one host's
-/// kernel):
-/// - per packet (datagram mode with no segmentation offload, 2044 bytes): the engine's hop
-///   moved 1.4-1.9x the bytes per second at 0.73-0.83x the CPU per byte: CM pays for a busy
-///   peer;
-/// - segmented by the device (TSO: Enhanced IPoIB on mlx5, or datagram mode on an HCA with UD
-///   LSO): against its stand-in (4092 bytes, software GSO, GRO) the hop moved 0.7-1.4x the
-///   bytes per second at 0.98-1.6x the CPU per byte, and the stand-in over-charges the real
-///   path by the segmentation its HCA does for free: CM saves the host nothing, so no rate
-///   makes it worth a connection. Mode `connected` and a pin still give CM.
+/// a busy peer to CM: where the CPU builds every datagram the engine's hop costs less per
+/// byte, where the device segments it costs more (`bench hop`, docs/benchmarks.md), so no
+/// rate makes a connection worth it there. Mode `connected` and a pin still give CM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum UdPath {
     /// The CPU builds every datagram (no segmentation offload).

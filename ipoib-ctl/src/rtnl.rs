@@ -25,7 +25,18 @@ use rtnetlink::{
 };
 use tokio::task::JoinHandle;
 
-use crate::netdev::NetdevError;
+/// What a netlink request ends with when it fails.
+#[derive(Debug, thiserror::Error)]
+pub enum RtnlError {
+    #[error("no interface named `{0}` in this network namespace")]
+    NotFound(String),
+    #[error("{what}: {source}")]
+    Netlink {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+}
 
 /// What the kernel says of one link.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,8 +79,8 @@ fn to_io(e: rtnetlink::Error) -> io::Error {
     }
 }
 
-fn failed(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
-    move |e| NetdevError::Netlink {
+fn failed(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> RtnlError {
+    move |e| RtnlError::Netlink {
         what: what.into(),
         source: to_io(e),
     }
@@ -110,13 +121,11 @@ impl Drop for Rtnl {
 impl Rtnl {
     /// Opens the socket (in this thread's network namespace) and spawns its connection on
     /// the current tokio runtime. Strict checking, so the kernel filters dumps by link.
-    pub fn new() -> Result<Self, NetdevError> {
+    pub fn new() -> Result<Self, RtnlError> {
         let (conn, handle, _) =
-            rtnetlink::new_connection_with_strict_check().map_err(|source| {
-                NetdevError::Netlink {
-                    what: "opening a netlink socket".into(),
-                    source,
-                }
+            rtnetlink::new_connection_with_strict_check().map_err(|source| RtnlError::Netlink {
+                what: "opening a netlink socket".into(),
+                source,
             })?;
         Ok(Self {
             handle,
@@ -130,7 +139,7 @@ impl Rtnl {
     }
 
     /// `name`'s index, hardware address, MTU and gso_max_size.
-    pub async fn link(&self, name: &str) -> Result<LinkInfo, NetdevError> {
+    pub async fn link(&self, name: &str) -> Result<LinkInfo, RtnlError> {
         let mut links = self
             .handle
             .link()
@@ -139,14 +148,14 @@ impl Rtnl {
             .execute();
         match links.try_next().await {
             Ok(Some(m)) => Ok(LinkInfo::from_message(m)),
-            Ok(None) => Err(NetdevError::NotFound(name.to_string())),
-            Err(e) if is_errno(&e, libc::ENODEV) => Err(NetdevError::NotFound(name.to_string())),
+            Ok(None) => Err(RtnlError::NotFound(name.to_string())),
+            Err(e) if is_errno(&e, libc::ENODEV) => Err(RtnlError::NotFound(name.to_string())),
             Err(e) => Err(failed(format!("reading link {name}"))(e)),
         }
     }
 
     /// The IPv4 addresses of link `index`, in the kernel's order (the primary first).
-    pub async fn ipv4_addrs(&self, index: u32) -> Result<Vec<Ipv4Addr>, NetdevError> {
+    pub async fn ipv4_addrs(&self, index: u32) -> Result<Vec<Ipv4Addr>, RtnlError> {
         let msgs: Vec<AddressMessage> = self
             .handle
             .address()
@@ -166,7 +175,7 @@ impl Rtnl {
 
     /// Adds `addr`/32 to link `index` without a prefix route (so no routing changes); an
     /// address already there is no error.
-    pub async fn add_host_addr(&self, index: u32, addr: Ipv4Addr) -> Result<(), NetdevError> {
+    pub async fn add_host_addr(&self, index: u32, addr: Ipv4Addr) -> Result<(), RtnlError> {
         let mut req = self.handle.address().add(index, addr.into(), 32);
         req.message_mut()
             .attributes
@@ -180,7 +189,7 @@ impl Rtnl {
     }
 
     /// Removes `addr`/32 from link `index`; an address already gone is no error.
-    pub async fn del_host_addr(&self, index: u32, addr: Ipv4Addr) -> Result<(), NetdevError> {
+    pub async fn del_host_addr(&self, index: u32, addr: Ipv4Addr) -> Result<(), RtnlError> {
         let mut msg = AddressMessage::default();
         msg.header.family = AddressFamily::Inet;
         msg.header.prefix_len = 32;
@@ -194,7 +203,7 @@ impl Rtnl {
         }
     }
 
-    async fn set_link(&self, msg: LinkMessage, what: String) -> Result<(), NetdevError> {
+    async fn set_link(&self, msg: LinkMessage, what: String) -> Result<(), RtnlError> {
         self.handle
             .link()
             .set(msg)
@@ -204,7 +213,7 @@ impl Rtnl {
     }
 
     /// Sets link `index`'s gso_max_size.
-    pub async fn set_gso_max_size(&self, index: u32, size: u32) -> Result<(), NetdevError> {
+    pub async fn set_gso_max_size(&self, index: u32, size: u32) -> Result<(), RtnlError> {
         let msg = LinkMessageBuilder::<LinkUnspec>::new()
             .index(index)
             .append_extra_attribute(LinkAttribute::GsoMaxSize(size))
@@ -217,7 +226,7 @@ impl Rtnl {
     /// address, so none of the kernel's IPv6 chatter is sent into it). Two requests: in one,
     /// the kernel brings the link up before it applies the mode (seen here: a link-local
     /// address on the TUN device).
-    pub async fn bring_up_without_ipv6(&self, index: u32, mtu: u32) -> Result<(), NetdevError> {
+    pub async fn bring_up_without_ipv6(&self, index: u32, mtu: u32) -> Result<(), RtnlError> {
         let no_ll =
             LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![AfSpecInet6::AddrGenMode(
                 In6AddrGenMode::None,
@@ -242,7 +251,7 @@ impl Rtnl {
     /// The link-layer address the neighbour table holds for `ip` on link `index`, if any.
     /// One RTM_GETNEIGH for that address (hand-built: the crate's request dumps the whole
     /// table, thousands of entries on a big fabric, for each connection setup).
-    pub async fn neighbour(&self, index: u32, ip: IpAddr) -> Result<Option<Vec<u8>>, NetdevError> {
+    pub async fn neighbour(&self, index: u32, ip: IpAddr) -> Result<Option<Vec<u8>>, RtnlError> {
         let mut msg = NeighbourMessage::default();
         msg.header.ifindex = index;
         let (family, dst) = match ip {
@@ -265,7 +274,7 @@ impl Rtnl {
                 }
                 NetlinkPayload::Error(e) if e.raw_code() == -libc::ENOENT => return Ok(None),
                 NetlinkPayload::Error(e) if e.code.is_some() => {
-                    return Err(NetdevError::Netlink {
+                    return Err(RtnlError::Netlink {
                         what: what(),
                         source: e.to_io(),
                     });
@@ -279,11 +288,11 @@ impl Rtnl {
 
 /// Runs `f` with an [`Rtnl`] on a runtime of its own, for callers that have none (attach's
 /// checks, before the daemon's runtime starts).
-pub fn blocking<T>(f: impl AsyncFnOnce(&Rtnl) -> Result<T, NetdevError>) -> Result<T, NetdevError> {
+pub fn blocking<T>(f: impl AsyncFnOnce(&Rtnl) -> Result<T, RtnlError>) -> Result<T, RtnlError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()
-        .map_err(|source| NetdevError::Netlink {
+        .map_err(|source| RtnlError::Netlink {
             what: "starting a runtime for netlink".into(),
             source,
         })?;
@@ -317,10 +326,10 @@ pub struct Link {
 impl AddressMirror {
     /// Subscribes to IPv4 address changes first, then copies what `from` has now, so no
     /// change between the two is missed. Must be called inside a tokio runtime.
-    pub async fn start(from: Link, to: Link) -> Result<Self, NetdevError> {
+    pub async fn start(from: Link, to: Link) -> Result<Self, RtnlError> {
         let (conn, handle, mut messages) =
             rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).map_err(
-                |source| NetdevError::Netlink {
+                |source| RtnlError::Netlink {
                     what: "subscribing to address changes".into(),
                     source,
                 },
@@ -404,7 +413,7 @@ mod tests {
             );
             assert!(matches!(
                 r.link("nosuchif0").await,
-                Err(NetdevError::NotFound(n)) if n == "nosuchif0"
+                Err(RtnlError::NotFound(n)) if n == "nosuchif0"
             ));
         });
     }

@@ -1,6 +1,8 @@
 //! What `status`, `peers` and `show-policy` report, gathered from the pinned maps, and its
 //! rendering as a human table or JSON.
 
+pub mod cm;
+
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
 use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerMode, PeerTraffic, Policy};
@@ -171,7 +173,7 @@ pub struct Status {
     pub peer_cache: Option<PeerCacheCounts>,
     pub peers: Vec<PeerView>,
     /// Connected mode, as its control loop last wrote it (None: not running).
-    pub cm: Option<crate::connmgr::CmStatus>,
+    pub cm: Option<cm::CmStatus>,
     /// Where the interface is, seen from here (None: no state file to tell).
     #[serde(default)]
     pub presence: Option<attach::Presence>,
@@ -258,7 +260,7 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
         reasons,
         peer_cache: maps::peer_cache_pinned(&attach::pin_dir(iface).join(attach::PROG_EGRESS))?,
         peers: peers(&maps)?,
-        cm: crate::connmgr::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
+        cm: cm::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
         presence: state.as_ref().map(attach::presence),
     })
 }
@@ -434,7 +436,7 @@ fn render_peer_cache(out: &mut String, c: Option<&PeerCacheCounts>) {
 /// A connection cap at least this large is the HCA's QP limit, not a plan's.
 const UNCAPPED: usize = 1 << 16;
 
-fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
+fn render_cm(out: &mut String, cm: &cm::CmStatus) {
     let r = &cm.receive;
     let receive = match r.model.as_str() {
         "rings" => format!(
@@ -489,7 +491,7 @@ fn render_cm(out: &mut String, cm: &crate::connmgr::CmStatus) {
 }
 
 /// The engine's counters, one line.
-fn render_engine(out: &mut String, cm: &crate::connmgr::CmStatus) {
+fn render_engine(out: &mut String, cm: &cm::CmStatus) {
     let e = |k: &str| cm.engine.get(k).copied().unwrap_or(0);
     let lanes = match cm.engine_lanes {
         0 | 1 => String::new(),
@@ -761,7 +763,7 @@ mod tests {
 
     #[test]
     fn an_srq_plan_shows_no_cap_where_the_qps_are_the_cap() {
-        let mut cm = crate::connmgr::CmStatus {
+        let mut cm = cm::CmStatus {
             max_connections: 1_048_552,
             connections: 2,
             ..Default::default()
@@ -796,7 +798,7 @@ mod tests {
     /// flushed receives (a closing connection's ring) not among the errors.
     #[test]
     fn the_engine_line_names_each_counter() {
-        let mut cm = crate::connmgr::CmStatus::default();
+        let mut cm = cm::CmStatus::default();
         for (i, k) in [
             "tx_packets",
             "rx_packets",

@@ -23,7 +23,7 @@ use std::{
 use crate::programs::{must, output as run};
 use anyhow::{Context as _, Result, bail};
 use ipoib_ctl::{
-    connmgr::CmStatus,
+    status::cm::CmStatus,
     status::{PeerView, Status},
 };
 

@@ -23,9 +23,11 @@ use std::{
 };
 
 use ipoib_ctl::{
-    connmgr::{CmStatus, PeerStatus, read_status},
     promotion::Failure,
-    status::{PeerView, Status},
+    status::{
+        PeerView, Status,
+        cm::{CmStatus, PeerStatus, read_status},
+    },
 };
 use ipoib_tests::{
     cmlab::{COUNTED, LinkUp, device, in_netns, rdma_netdev, rdma_resources, set_link, settle},

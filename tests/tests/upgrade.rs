@@ -329,7 +329,7 @@ fn an_attachment_of_layout_1_is_replaced_under_traffic_without_a_gap() {
     assert_eq!(state["layout"], LAYOUT);
     // The pins are the new layout's, and the programs on the hooks use them.
     assert!(!dir.join(map_names::TRAFFIC_V1).exists());
-    assert!(!dir.join(ipoib_ctl::upgrade::NEXT).exists());
+    assert!(!dir.join(ipoib_ctl::attach::upgrade::NEXT).exists());
     let slots = map_id(&dir, map_names::TRAFFIC);
     let hooked = hooked_programs(&a, &dir, egress);
     eprintln!(

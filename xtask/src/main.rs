@@ -5,6 +5,7 @@
 
 mod install;
 mod provision;
+mod shape;
 mod slow;
 #[cfg(test)]
 mod spawned;
@@ -110,6 +111,9 @@ enum Cmd {
         #[arg(long)]
         long: bool,
     },
+    /// The code's shape: ipoib-ctl's modules import in one direction, no source file over 800
+    /// lines outside its tests, README.md under 300 lines.
+    Shape,
     /// Benchmarks (commands, not timed tests): results printed and saved under target/bench.
     Bench {
         #[command(subcommand)]
@@ -239,6 +243,7 @@ fn main() -> Result<()> {
             no_vm,
         } => run(&root, duration, json, no_vm),
         Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
+        Cmd::Shape => shape::run(&root),
         Cmd::Install { destdir, prefix } => {
             provision::run(provision::Scope { vm: false })?;
             install::run(&root, &install::Layout { destdir, prefix })
@@ -497,7 +502,7 @@ fn bench_in_vm(root: &Path, bin: &str, args: &[String], out: &str) -> Result<()>
     Ok(())
 }
 
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lives in the workspace")

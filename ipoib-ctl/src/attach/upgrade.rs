@@ -31,11 +31,11 @@ use ipoib_common::{
     Counter, LAYOUT, PeerEntry, PeerKey, PeerTraffic, Policy, REASON_COUNT, Reason, map_names,
 };
 
+use super::{
+    AttachError, AttachState, EgressAttach, LINK_EGRESS, LINK_INGRESS, PROG_EGRESS, PROG_INGRESS,
+    bpffs_err, io_err, prog_err,
+};
 use crate::{
-    attach::{
-        AttachError, AttachState, EgressAttach, LINK_EGRESS, LINK_INGRESS, PROG_EGRESS,
-        PROG_INGRESS, bpffs_err, io_err, prog_err,
-    },
     clock::monotonic_ns,
     datapath::Datapath,
     maps::{DatapathMaps, MapsError},
@@ -105,7 +105,7 @@ pub fn from_layout_1(dev: &Netdev, dir: &Path, mut state: AttachState) -> Result
     let old = dir.join(map_names::TRAFFIC_V1);
     fs::remove_file(&old).map_err(io_err("removing", &old))?;
     state.layout = LAYOUT;
-    crate::attach::write_state(&state)?;
+    super::write_state(&state)?;
     tracing::info!(
         "{}: the attachment of layout 1 was replaced by layout {LAYOUT} in place (policy, pins \
          and counters kept)",
@@ -226,11 +226,12 @@ fn egress_filter(dev: &Netdev) -> Result<(u16, TcHandle)> {
             .execute()
             .try_collect::<Vec<_>>()
             .await
-            .map_err(|e| crate::netdev::NetdevError::Netlink {
+            .map_err(|e| crate::rtnl::RtnlError::Netlink {
                 what: format!("listing the egress filters of {}", dev.name),
                 source: std::io::Error::other(e.to_string()),
             })
-    })?;
+    })
+    .map_err(crate::netdev::NetdevError::from)?;
     let bpf: Vec<(u16, TcHandle)> = filters
         .iter()
         .filter(|f| {

@@ -1,0 +1,112 @@
+//! Connected mode's status: what a control loop writes once a tick (`RUN_DIR/IFACE.cm.json`)
+//! and `status`, the metrics and the tests read.
+
+use std::{collections::HashMap, net::IpAddr, path::PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ledger::Share, promotion::Failure};
+
+/// One peer in the status.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeerStatus {
+    pub addr: IpAddr,
+    pub state: String,
+    pub why: String,
+    pub failures: u32,
+    /// While `failures` counts any: the last one (kept while the next setup runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<FailureStatus>,
+    pub promotions: u64,
+}
+
+/// A peer's last failed setup or broken connection, in the status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailureStatus {
+    pub reason: Failure,
+    /// The reason in words.
+    pub said: String,
+    /// Seconds since it failed, when the status was written.
+    pub secs_ago: u64,
+}
+
+/// Where receives land, and what they cost, in the CM status.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
+pub struct ReceiveStatus {
+    /// "srq" (one shared receive queue) or "rings" (a ring per connection).
+    pub model: String,
+    /// Buffers of the SRQ, or of each ring.
+    pub depth: u32,
+    /// Rings that exist now (set up, in use or being torn down), and the plan's K.
+    pub rings: u32,
+    pub max_rings: u32,
+    /// Receive memory registered now, and the plan's budget.
+    pub registered_bytes: u64,
+    pub budget_bytes: u64,
+    /// Rings made, refused at K, and the mean time to register one (µs).
+    pub rings_made: u64,
+    pub rings_refused: u64,
+    pub ring_register_us: u64,
+}
+
+/// What the CM side reports, written as JSON to `status_path` every tick.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct CmStatus {
+    pub device: String,
+    pub tun: String,
+    #[serde(default)]
+    pub receive: ReceiveStatus,
+    /// The SRQ's buffers (0 with rings per connection).
+    pub srq_depth: u32,
+    /// Times fewer than a quarter of the SRQ's buffers were posted (the SRQ limit event).
+    #[serde(default)]
+    pub srq_low_events: u64,
+    pub max_connections: usize,
+    pub mode: String,
+    /// How the interface's UD path segments: `per-packet` (mode auto promotes busy peers) or
+    /// `offloaded` (TSO: it promotes none by rate); see [`crate::promotion::UdPath`].
+    #[serde(default)]
+    pub ud_path: String,
+    pub connections: usize,
+    pub established: u64,
+    pub failed: u64,
+    /// The node's budget, and what each attached interface holds of it.
+    #[serde(default)]
+    pub node: NodeBudget,
+    /// Incoming handshake streams waiting for their REQ now, and those dropped (oldest
+    /// first) because too many waited.
+    #[serde(default)]
+    pub awaiting_req: u64,
+    #[serde(default)]
+    pub dropped_awaiting_req: u64,
+    /// Tasks alive in the control loop's runtime.
+    #[serde(default)]
+    pub tasks: u64,
+    /// The latest the policy's tick ran after its time, since connected mode started: how
+    /// long the thread that runs the control loop, the engine and the handshakes was kept
+    /// from it (milliseconds).
+    #[serde(default)]
+    pub tick_late_max_ms: u64,
+    /// Engines, one per lane (TUN queue); `engine` counts for all of them.
+    #[serde(default)]
+    pub engine_lanes: u32,
+    pub engine: HashMap<String, u64>,
+    pub peers: Vec<PeerStatus>,
+}
+
+/// Where `iface`'s control loop writes its CM status.
+pub fn status_path(iface: &str) -> PathBuf {
+    crate::attach::run_file(iface, "cm.json")
+}
+
+/// The CM status of `iface` as its control loop last wrote it.
+pub fn read_status(iface: &str) -> Option<CmStatus> {
+    serde_json::from_slice(&std::fs::read(status_path(iface)).ok()?).ok()
+}
+
+/// The node's receive-memory budget in the status: its size and each interface's share.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct NodeBudget {
+    pub budget_bytes: u64,
+    pub shares: Vec<Share>,
+}
