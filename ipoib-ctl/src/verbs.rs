@@ -3,6 +3,17 @@
 //! Discovery goes through ibverbs-sys (the bindings the ibverbs crate itself
 //! uses): the crate's safe `Context` queries port 1 only and refuses to open a device whose
 //! port is not active, while discovery must see every device and port as it is.
+//!
+//! One object a file: the device ([`device`]), the PD and memory regions, the SRQ, CQs, RC
+//! QPs, where receives land ([`receive`]) and what a node's connections share
+//! ([`resources`]). Each object holds an `Arc` of what it was made from, so the drop order
+//! the HCA needs (QP before CQ, SRQ and PD; MR before PD; everything before the context)
+//! follows from ownership, and objects can move between threads and tasks.
+//!
+//! libibverbs objects are thread-safe (rdma-core locks inside the provider), hence the
+//! `Send`/`Sync` impls. Several calls that verbs.h defines as static inline functions
+//! (ibv_post_send, ibv_post_srq_recv, ibv_poll_cq, ibv_req_notify_cq) have no symbol to
+//! bind: they dispatch through the context's ops table, as libibverbs itself does.
 
 use std::{ffi::CStr, io, ptr};
 
@@ -11,10 +22,20 @@ use serde::Serialize;
 
 use crate::plan::HcaLimits;
 
+mod cq;
+mod device;
+mod memory;
+mod qp;
 mod receive;
 mod resources;
+mod srq;
+pub use cq::*;
+pub use device::*;
+pub use memory::*;
+pub use qp::*;
 pub use receive::*;
 pub use resources::*;
+pub use srq::*;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VerbsError {
