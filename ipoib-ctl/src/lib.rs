@@ -10,10 +10,12 @@
 pub mod attach;
 pub mod clock;
 pub mod cm;
+pub mod config;
 pub mod connmgr;
 pub mod daemon;
 pub mod datapath;
 pub mod engine;
+pub mod exit;
 pub mod files;
 pub mod iblink;
 pub mod ledger;
