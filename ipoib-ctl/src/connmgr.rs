@@ -33,7 +33,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-pub use self::core::{Command, Core, PeerView, TickInput, Traffic};
+pub use self::core::{CmPeer, Command, Core, TickInput, Traffic};
 use self::engine_task::{EngineTask, make_engines, spawn_engine, stop_engine, task_end};
 use self::start::{cap, pins};
 pub use self::start::{listen, live_cap, probe};
@@ -747,8 +747,8 @@ impl Manager {
     }
 }
 
-impl From<PeerView> for PeerStatus {
-    fn from(p: PeerView) -> Self {
+impl From<CmPeer> for PeerStatus {
+    fn from(p: CmPeer) -> Self {
         Self {
             addr: p.addr,
             state: p.state.into(),

@@ -82,7 +82,7 @@ pub use self::control::{
     CloseWhenDone, EngineCommand, EngineConfig, EngineControl, EngineError, EngineEvent,
     EngineStats, Fault, Route,
 };
-pub use self::core::{EngineCore, Link, Receipt, Released, Removal};
+pub use self::core::{EngineCore, Receipt, Released, Removal, SendEnd};
 
 pub struct Engine {
     /// Where a TUN read puts what does not fit in a send slot (the packet is then dropped as
@@ -385,7 +385,7 @@ impl Engine {
                 Err(e) => {
                     self.io.core.give_back(slot, None);
                     if e.kind() == io::ErrorKind::WouldBlock {
-                        self.io.core.read_empty();
+                        self.io.core.handle_read_empty();
                         return Ok(true);
                     }
                     return Err(e);
@@ -506,7 +506,7 @@ impl Io {
                         break;
                     }
                 } else {
-                    self.core.on_send_done(wc);
+                    self.core.handle_send_done(wc);
                 }
             }
             if result.is_err() {
@@ -526,16 +526,16 @@ impl Io {
     /// buffer posted again on the SRQ or its connection's ring.
     fn on_receive(&mut self, tun: &Tun, wc: &Completion) -> Result<(), EngineError> {
         let Some(buf) = self.res.recv.filled(wc) else {
-            self.core.on_receive_lost(wc);
+            self.core.handle_receive_lost(wc);
             return Ok(());
         };
         let on_ring = buf.qp().is_some();
-        match self.core.on_receive(wc, buf.bytes().len(), on_ring) {
+        match self.core.handle_receive(wc, buf.bytes().len(), on_ring) {
             Receipt::Keep => return Ok(()),
             Receipt::Repost => {}
             Receipt::Deliver => {
                 let written = tun.send(buf.bytes()).is_ok();
-                self.core.delivered(wc.qp_num, wc.bytes, written);
+                self.core.handle_delivered(wc.qp_num, wc.bytes, written);
             }
         }
         match buf.repost() {

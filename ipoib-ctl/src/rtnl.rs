@@ -318,7 +318,7 @@ impl Drop for AddressMirror {
 
 /// A link as the mirror names it in its log: index and name.
 #[derive(Debug, Clone)]
-pub struct Link {
+pub struct NamedLink {
     pub index: u32,
     pub name: String,
 }
@@ -326,7 +326,7 @@ pub struct Link {
 impl AddressMirror {
     /// Subscribes to IPv4 address changes first, then copies what `from` has now, so no
     /// change between the two is missed. Must be called inside a tokio runtime.
-    pub async fn start(from: Link, to: Link) -> Result<Self, RtnlError> {
+    pub async fn start(from: NamedLink, to: NamedLink) -> Result<Self, RtnlError> {
         let (conn, handle, mut messages) =
             rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).map_err(
                 |source| RtnlError::Netlink {

@@ -10,7 +10,7 @@ use std::{
 };
 
 use ipoib_ctl::{
-    rtnl::{AddressMirror, Link, Rtnl},
+    rtnl::{AddressMirror, NamedLink, Rtnl},
     tun::Tun,
 };
 use ipoib_tests::cmlab::{in_netns, run};
@@ -162,11 +162,11 @@ fn the_daemons_netlink_changes_are_what_ip_shows() {
             assert_eq!(none.unwrap(), None);
 
             let (from, to) = (
-                Link {
+                NamedLink {
                     index: d0.index,
                     name: "d0".into(),
                 },
-                Link {
+                NamedLink {
                     index: t.index,
                     name: tun.name().into(),
                 },

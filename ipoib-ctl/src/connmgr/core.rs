@@ -75,7 +75,7 @@ pub struct Traffic {
 
 /// One peer as status shows it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PeerView {
+pub struct CmPeer {
     pub addr: IpAddr,
     pub state: &'static str,
     pub why: String,
@@ -362,7 +362,7 @@ impl Core {
 
     /// Every peer the policy knows, with why it is where it is.
     /// What status shows of each peer, at `now`.
-    pub fn peers(&self, now: u64) -> Vec<PeerView> {
+    pub fn peers(&self, now: u64) -> Vec<CmPeer> {
         self.promoter
             .peers()
             .filter_map(|(ip, _)| {
@@ -374,7 +374,7 @@ impl Core {
                     State::Draining { .. } => "closing",
                     State::Backoff { .. } => "backoff",
                 };
-                Some(PeerView {
+                Some(CmPeer {
                     addr: *ip,
                     state,
                     why: e.to_string(),

@@ -117,8 +117,8 @@ impl Manager {
 /// addresses are added to it as /32 without a prefix route, which changes no routing. With
 /// `all` at 1 (strict) nothing arriving on the TUN device passes: said loudly.
 pub(super) async fn accept_on_tun(
-    iface: &rtnl::Link,
-    tun: &rtnl::Link,
+    iface: &rtnl::NamedLink,
+    tun: &rtnl::NamedLink,
 ) -> Result<Option<AddressMirror>, CmError> {
     std::fs::write(
         format!("/proc/sys/net/ipv4/conf/{}/rp_filter", tun.name),
@@ -333,14 +333,14 @@ pub(super) async fn open_tun(
     iface: &str,
     queues: u32,
 ) -> Result<(Vec<Tun>, u32, Option<AddressMirror>), CmError> {
-    let iface = rtnl::Link {
+    let iface = rtnl::NamedLink {
         index: netdev::Netdev::lookup(iface)?.ifindex,
         name: iface.to_string(),
     };
     // IFNAMSIZ is 16 with the NUL: 13 characters at most before the suffix.
     let want = format!("{}cm", iface.name.chars().take(13).collect::<String>());
     let tun = Tun::create_queues(&want, queues as usize, true)?;
-    let link = rtnl::Link {
+    let link = rtnl::NamedLink {
         index: netdev::Netdev::lookup(tun[0].name())?.ifindex,
         name: tun[0].name().to_string(),
     };

@@ -189,7 +189,7 @@ pub struct Route<Q = Arc<RcQueuePair>> {
     pub mtu: u32,
 }
 
-impl<Q: Link> std::fmt::Debug for Route<Q> {
+impl<Q: SendEnd> std::fmt::Debug for Route<Q> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Route(QP {}, MTU {})", self.qp.qpn(), self.mtu)
     }

@@ -30,20 +30,20 @@ use crate::{
 
 /// A connection's sending end, as the core knows it: by its QP number. The engine's is
 /// `Arc<RcQueuePair>`; the core only holds it and hands it back to post on.
-pub trait Link: Clone {
+pub trait SendEnd: Clone {
     fn qpn(&self) -> u32;
 }
 
-impl Link for Arc<RcQueuePair> {
+impl SendEnd for Arc<RcQueuePair> {
     fn qpn(&self) -> u32 {
         RcQueuePair::qpn(self)
     }
 }
 
-/// What becomes of a receive completion's buffer, as [`EngineCore::on_receive`] decides.
+/// What becomes of a receive completion's buffer, as [`EngineCore::handle_receive`] decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Receipt {
-    /// A packet: written into the TUN device (then [`EngineCore::delivered`] with how that
+    /// A packet: written into the TUN device (then [`EngineCore::handle_delivered`] with how that
     /// went), and the buffer posted again.
     Deliver,
     /// Taken here (a keepalive, or a receive in error on the SRQ): the buffer posted again.
@@ -229,7 +229,7 @@ pub struct EngineCore<Q> {
     released: VecDeque<Released>,
 }
 
-impl<Q: Link> EngineCore<Q> {
+impl<Q: SendEnd> EngineCore<Q> {
     /// A core for send slots `slots` (its lane's), all free.
     pub fn new(slots: std::ops::Range<u32>, cfg: EngineConfig, stats: Arc<EngineStats>) -> Self {
         Self {
@@ -347,7 +347,7 @@ impl<Q: Link> EngineCore<Q> {
 
     /// The TUN device was read empty: every packet it held when a removal was asked has been
     /// read.
-    pub fn read_empty(&mut self) {
+    pub fn handle_read_empty(&mut self) {
         if self.draining.is_empty() {
             return;
         }
@@ -532,7 +532,7 @@ impl<Q: Link> EngineCore<Q> {
     /// A send completed: its slot is free, and a waiting packet of the same connection goes
     /// to the outbox. In error, the QP is dead: what waits for it is dropped and it is
     /// reported once.
-    pub fn on_send_done(&mut self, wc: &Completion) {
+    pub fn handle_send_done(&mut self, wc: &Completion) {
         if wc.error.is_some() {
             count(&self.stats.send_errors);
         }
@@ -573,7 +573,7 @@ impl<Q: Link> EngineCore<Q> {
     /// A receive completed into a buffer of `len` bytes, on a connection's ring or not:
     /// counted, and what becomes of the buffer. A flushed receive is not an error (it only
     /// follows one, or a close); one in error otherwise is its QP's failure.
-    pub fn on_receive(&mut self, wc: &Completion, len: usize, on_ring: bool) -> Receipt {
+    pub fn handle_receive(&mut self, wc: &Completion, len: usize, on_ring: bool) -> Receipt {
         if let Some(status) = wc.error {
             if status == WC_FLUSHED {
                 count(&self.stats.rx_flushed);
@@ -597,7 +597,7 @@ impl<Q: Link> EngineCore<Q> {
 
     /// A receive whose buffer is not known (its ring gone: a flush after its QP was torn
     /// down, or an id of nothing): counted, flushed or not.
-    pub fn on_receive_lost(&mut self, wc: &Completion) {
+    pub fn handle_receive_lost(&mut self, wc: &Completion) {
         count(if wc.error == Some(WC_FLUSHED) {
             &self.stats.rx_flushed
         } else {
@@ -607,7 +607,7 @@ impl<Q: Link> EngineCore<Q> {
 
     /// The packet of [`Receipt::Deliver`], `bytes` long, received on `qpn`: written into the
     /// TUN device (`written`) or not.
-    pub fn delivered(&mut self, qpn: u32, bytes: u32, written: bool) {
+    pub fn handle_delivered(&mut self, qpn: u32, bytes: u32, written: bool) {
         if !written {
             count(&self.stats.rx_tun_errors);
             return;

@@ -11,7 +11,7 @@ use super::*;
 #[derive(Clone, Debug)]
 struct Qp(u32);
 
-impl Link for Qp {
+impl SendEnd for Qp {
     fn qpn(&self) -> u32 {
         self.0
     }
@@ -79,7 +79,7 @@ fn post(c: &mut EngineCore<Qp>) -> Vec<(u32, u32, u32)> {
 }
 
 fn done(c: &mut EngineCore<Qp>, qpn: u32, slot: u32, error: Option<u32>) {
-    c.on_send_done(&Completion {
+    c.handle_send_done(&Completion {
         wr_id: u64::from(slot),
         qp_num: qpn,
         bytes: 0,
@@ -102,7 +102,7 @@ fn receive(
         recv: true,
         error,
     };
-    c.on_receive(&wc, len, on_ring)
+    c.handle_receive(&wc, len, on_ring)
 }
 
 /// A packet of `bytes` received on `qpn` and written into the TUN device, as the loop does.
@@ -111,7 +111,7 @@ fn packet_in(c: &mut EngineCore<Qp>, qpn: u32, bytes: u32) {
         receive(c, qpn, bytes as usize, None, false),
         Receipt::Deliver
     );
-    c.delivered(qpn, bytes, true);
+    c.handle_delivered(qpn, bytes, true);
 }
 
 fn keepalive_in(c: &mut EngineCore<Qp>, qpn: u32) {
@@ -546,7 +546,7 @@ fn what_waits_for_a_removed_route_goes_over_it_before_it_is_let_go() {
         done(&mut c, 7, s[i], None);
         assert_eq!(post(&mut c), [(7, s[i + 1], 100)], "the send after {i}");
     }
-    c.read_empty();
+    c.handle_read_empty();
     assert!(!c.awaits_read_empty());
     assert!(released(&mut c).is_empty(), "one send still in flight");
     done(&mut c, 7, s[4], None);
@@ -583,7 +583,7 @@ fn an_idle_route_is_let_go_once_the_tun_device_is_read_empty() {
     );
     let s = read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(post(&mut c), [(7, s, 100)], "one it held");
-    c.read_empty();
+    c.handle_read_empty();
     assert!(released(&mut c).is_empty(), "its send is in flight");
     done(&mut c, 7, s, None);
     assert_eq!(released(&mut c).len(), 1);
@@ -622,7 +622,7 @@ fn a_connection_that_dies_while_its_route_is_let_go_is_let_go_at_once() {
 #[test]
 fn a_route_let_go_drops_what_still_waits_after_the_drain_bound() {
     let (mut c, s) = letting_go_of_three();
-    c.read_empty();
+    c.handle_read_empty();
     // The connection completes nothing.
     for _ in 0..DRAIN_HOUSEKEEPINGS {
         housekeeping(&mut c);
@@ -741,7 +741,7 @@ fn a_congested_route_let_go_tells_the_control_plane_nothing_more() {
     }
     done(&mut c, 7, late, None);
     assert!(events(&mut c).is_empty(), "no Congested, no Drained");
-    c.read_empty();
+    c.handle_read_empty();
     assert_eq!(released(&mut c).len(), 1);
     assert_eq!(c.free_slots(), SLOTS as usize);
 }
@@ -779,7 +779,7 @@ fn a_route_is_removed_only_from_its_own_qp() {
         "asked again: the same"
     );
     done(&mut c, 7, s, None);
-    c.read_empty();
+    c.handle_read_empty();
     assert_eq!(released(&mut c).len(), 1, "let go once");
     assert_eq!(
         c.remove_route(ip("10.0.0.2"), 7),
@@ -845,7 +845,7 @@ fn housekeeping_reports_each_total_once_after_a_change_and_only_for_routed_qps()
     );
     // A removed route's totals start again from nothing.
     c.remove_route(ip("10.0.0.3"), 8);
-    c.read_empty();
+    c.handle_read_empty();
     route(&mut c, "10.0.0.3", 8, 65520);
     events(&mut c);
     packet_in(&mut c, 8, 50);
@@ -870,7 +870,7 @@ fn housekeeping_forgets_a_gone_connections_flow_once_its_sends_are_back() {
     housekeeping(&mut c);
     assert_eq!(stat(&c, "flows"), 2);
     c.remove_route(ip("10.0.0.2"), 7);
-    c.read_empty();
+    c.handle_read_empty();
     housekeeping(&mut c);
     assert_eq!(stat(&c, "flows"), 2, "kept while its send is in flight");
     done(&mut c, 7, a, None);
@@ -1028,8 +1028,8 @@ fn each_receive_is_counted_once_and_its_buffer_kept_only_on_a_failing_ring() {
         receive(&mut c, 7, KEEPALIVE_LEN + 1, None, true),
         Receipt::Deliver
     );
-    c.delivered(7, 1500, false);
-    c.delivered(7, 1500, true);
+    c.handle_delivered(7, 1500, false);
+    c.handle_delivered(7, 1500, true);
     // A buffer nobody knows: counted, nothing told.
     let lost = |error| Completion {
         wr_id: 0,
@@ -1038,9 +1038,9 @@ fn each_receive_is_counted_once_and_its_buffer_kept_only_on_a_failing_ring() {
         recv: true,
         error,
     };
-    c.on_receive_lost(&lost(Some(WC_FLUSHED)));
-    c.on_receive_lost(&lost(Some(WC_FLUSHED)));
-    c.on_receive_lost(&lost(Some(10)));
+    c.handle_receive_lost(&lost(Some(WC_FLUSHED)));
+    c.handle_receive_lost(&lost(Some(WC_FLUSHED)));
+    c.handle_receive_lost(&lost(Some(10)));
     assert_eq!(events(&mut c), []);
     // In error on a ring: its QP's failure, told once; the buffer kept.
     assert_eq!(receive(&mut c, 7, 0, Some(10), true), Receipt::Keep);
@@ -1168,7 +1168,7 @@ impl Run {
             }
             7 => {
                 if self.next(2) == 0 {
-                    self.c.read_empty();
+                    self.c.handle_read_empty();
                 }
                 let in_flight = &mut self.in_flight;
                 self.c.housekeeping(|qp, slot| {
