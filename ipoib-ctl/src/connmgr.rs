@@ -751,7 +751,7 @@ impl From<CmPeer> for PeerStatus {
     fn from(p: CmPeer) -> Self {
         Self {
             addr: p.addr,
-            state: p.state.into(),
+            state: p.state,
             why: p.why,
             failures: p.failures,
             last_failure: p.last_failure.map(|l| FailureStatus {

@@ -20,7 +20,10 @@ use prometheus_client::{
 use crate::{
     maps::PeerCacheCounts,
     promotion::UdPath,
-    status::{Status, cm::CmStatus},
+    status::{
+        Status,
+        cm::{CmPeerState, CmStatus},
+    },
 };
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -295,11 +298,11 @@ fn cm_peers(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
         "cm_peers",
         "Peers the policy knows, by state (ud, connecting, cm, closing, backoff)",
     );
-    for state in ["ud", "connecting", "cm", "closing", "backoff"] {
+    for state in CmPeerState::ALL {
         let n = cm.peers.iter().filter(|p| p.state == state).count();
         let l = PeerState {
             iface: iface.iface.clone(),
-            state: state.to_owned(),
+            state: state.name().to_owned(),
         };
         peers.get_or_create(&l).set(n as i64);
     }
@@ -313,7 +316,8 @@ fn cm_peers(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
             .peers
             .iter()
             .filter(|p| {
-                p.state != "cm" && p.last_failure.as_ref().is_some_and(|l| l.reason == reason)
+                p.state != CmPeerState::Cm
+                    && p.last_failure.as_ref().is_some_and(|l| l.reason == reason)
             })
             .count();
         let l = FailureReason {

@@ -24,6 +24,7 @@ pub use crate::cm::Gone;
 use crate::{
     policy::Mode,
     promotion::{Action, Demotion, Failure, LastFailure, Pin, Promoter, Sample, State, UdPath},
+    status::cm::CmPeerState,
 };
 
 /// What the manager is to do, in the order given.
@@ -77,7 +78,7 @@ pub struct Traffic {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CmPeer {
     pub addr: IpAddr,
-    pub state: &'static str,
+    pub state: CmPeerState,
     pub why: String,
     pub failures: u32,
     pub last_failure: Option<LastFailure>,
@@ -368,11 +369,11 @@ impl Core {
             .filter_map(|(ip, _)| {
                 let e = self.promoter.explain(now, ip)?;
                 let state = match e.state {
-                    State::Ud { .. } => "ud",
-                    State::Connecting { .. } => "connecting",
-                    State::Up { .. } => "cm",
-                    State::Draining { .. } => "closing",
-                    State::Backoff { .. } => "backoff",
+                    State::Ud { .. } => CmPeerState::Ud,
+                    State::Connecting { .. } => CmPeerState::Connecting,
+                    State::Up { .. } => CmPeerState::Cm,
+                    State::Draining { .. } => CmPeerState::Closing,
+                    State::Backoff { .. } => CmPeerState::Backoff,
                 };
                 Some(CmPeer {
                     addr: *ip,

@@ -11,13 +11,45 @@ use crate::{ledger::Share, promotion::Failure};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PeerStatus {
     pub addr: IpAddr,
-    pub state: String,
+    pub state: CmPeerState,
     pub why: String,
     pub failures: u32,
     /// While `failures` counts any: the last one (kept while the next setup runs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<FailureStatus>,
     pub promotions: u64,
+}
+
+/// Where a peer is in connected mode's policy; in JSON by its name (`backoff`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CmPeerState {
+    Ud,
+    Connecting,
+    Cm,
+    Closing,
+    Backoff,
+}
+
+impl CmPeerState {
+    pub const ALL: [CmPeerState; 5] = [
+        CmPeerState::Ud,
+        CmPeerState::Connecting,
+        CmPeerState::Cm,
+        CmPeerState::Closing,
+        CmPeerState::Backoff,
+    ];
+
+    /// Its name, as JSON and the metrics' `state` label say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CmPeerState::Ud => "ud",
+            CmPeerState::Connecting => "connecting",
+            CmPeerState::Cm => "cm",
+            CmPeerState::Closing => "closing",
+            CmPeerState::Backoff => "backoff",
+        }
+    }
 }
 
 /// A peer's last failed setup or broken connection, in the status.
@@ -109,4 +141,18 @@ pub fn read_status(iface: &str) -> Option<CmStatus> {
 pub struct NodeBudget {
     pub budget_bytes: u64,
     pub shares: Vec<Share>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_state_is_its_name_in_json() {
+        for s in CmPeerState::ALL {
+            let json = serde_json::to_string(&s).unwrap();
+            assert_eq!(json, format!("\"{}\"", s.name()));
+            assert_eq!(serde_json::from_str::<CmPeerState>(&json).unwrap(), s);
+        }
+    }
 }

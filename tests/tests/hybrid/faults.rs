@@ -541,7 +541,8 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     // frees it, so the peer waits out its backoff holding none.
     let freed = wait_until(Duration::from_secs(30), || {
         let cm = cm_of(&a);
-        cm_peer(&cm, &b_ip).is_some_and(|p| p.state == "backoff") && cm.receive.rings == 0
+        cm_peer(&cm, &b_ip).is_some_and(|p| p.state == CmPeerState::Backoff)
+            && cm.receive.rings == 0
     });
     assert!(
         freed,

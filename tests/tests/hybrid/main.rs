@@ -29,7 +29,7 @@ use ipoib_ctl::{
     promotion::Failure,
     status::{
         PeerView, Status,
-        cm::{CmStatus, PeerStatus, read_status},
+        cm::{CmPeerState, CmStatus, PeerStatus, read_status},
     },
 };
 use ipoib_tests::{

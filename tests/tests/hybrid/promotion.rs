@@ -188,7 +188,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     );
     assert_eq!(during.connections, 1);
     let peer_why = cm_peer(&during, &b_ip).expect("B in A's CM status");
-    assert_eq!(peer_why.state, "cm", "{peer_why:?}");
+    assert_eq!(peer_why.state, CmPeerState::Cm, "{peer_why:?}");
     assert_eq!(
         peer_why.promotions, 1,
         "the connection was lost and set up again: {peer_why:?}"
@@ -476,7 +476,12 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
         done
     });
     let p = seen.expect("A's policy knows B");
-    eprintln!("B at A: {} ({}), {} failure(s)", p.state, p.why, p.failures);
+    eprintln!(
+        "B at A: {} ({}), {} failure(s)",
+        p.state.name(),
+        p.why,
+        p.failures
+    );
     assert!(said, "no failed setup to B in 30 s: {p:?}");
     // The reason stays in view while a retry after the backoff runs, in the field and the words.
     let last = p

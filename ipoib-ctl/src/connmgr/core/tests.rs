@@ -102,7 +102,7 @@ fn a_bulk_peer_is_connected_and_redirected_only_once_the_engine_has_its_route() 
     c.handle_route_added(ip(2), 77);
     assert_eq!(drain(&mut c), [Command::SetPeerMode(ip(2), PeerMode::CmUp)]);
     assert_eq!(c.connections(), 1);
-    assert_eq!(c.peers(0)[0].state, "cm");
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Cm);
 }
 
 #[test]
@@ -155,7 +155,7 @@ fn a_qp_error_sends_the_peer_ud_before_the_route_goes_and_backs_off() {
     c.handle_qp_error(t * SEC, 77, "status 12");
     assert_eq!(drain(&mut c), demoted(ip(2), 77, true));
     assert_eq!(c.connections(), 0);
-    assert_eq!(c.peers(0)[0].state, "backoff");
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Backoff);
     // Still bulk, but in backoff: no setup at the next tick.
     assert_eq!(tick(&mut c, t, 4, vec![bulk(ip(2), t, 60)]), []);
     // The watcher then reports the connection it closed: nothing more to undo but the map.
@@ -169,7 +169,7 @@ fn a_failed_setup_is_ud_with_backoff_unless_the_peers_connection_is_up() {
     let t = promote(&mut c, ip(2), 4);
     c.handle_setup_failed(t * SEC, ip(2), Failure::Timeout);
     assert_eq!(drain(&mut c), [Command::SetPeerMode(ip(2), PeerMode::Ud)]);
-    assert_eq!(c.peers(0)[0].state, "backoff");
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Backoff);
     // Status says what failed and how long ago, as of when it is asked.
     let last = LastFailure {
         why: Failure::Timeout,
@@ -198,7 +198,10 @@ fn a_closed_connection_of_a_peer_with_a_newer_one_changes_nothing() {
 
 #[test]
 fn a_silent_peer_is_a_failure_and_a_closing_peer_is_not() {
-    for (gone, state) in [(Gone::Silent, "backoff"), (Gone::Closed, "ud")] {
+    for (gone, state) in [
+        (Gone::Silent, CmPeerState::Backoff),
+        (Gone::Closed, CmPeerState::Ud),
+    ] {
         let mut c = core(4);
         let t = up(&mut c, ip(2), 77, 4);
         c.handle_closed(t * SEC, ip(2), 77, Some(gone));
@@ -386,7 +389,7 @@ fn the_ud_path_of_a_tick_decides_promotion_by_rate_and_none_keeps_the_last() {
         assert_eq!(drain(&mut c), []);
     }
     assert_eq!(c.ud_path(), UdPath::Offloaded);
-    assert_eq!(c.peers(0)[0].state, "ud");
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Ud);
     assert!(
         c.peers(0)[0].why.contains("segments in the device"),
         "{:?}",
