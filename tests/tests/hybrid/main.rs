@@ -392,6 +392,16 @@ fn goes_on_over_ud(a: &Node, peer: &str, fell: &PeerView) {
     }
 }
 
+/// `peer` as `n` sees it once more than 1 MiB has gone to it over CM past `since`, or after
+/// 15 s (TCP may still be in its retransmission backoff after a fault): the caller asserts.
+fn over_cm_past(n: &Node, peer: &str, since: &PeerView) -> PeerView {
+    let view = || n.peer(peer).unwrap().expect("the peer in the map");
+    wait_until(Duration::from_secs(15), || {
+        view().traffic.tx_cm_bytes > since.traffic.tx_cm_bytes + (1 << 20)
+    });
+    view()
+}
+
 /// The fault gone (`what`), `b` is back on CM at A within `within` and the flow goes CM
 /// again: more than 1 MiB within 15 s (TCP may still be in its retransmission backoff after
 /// the fault). Both nodes' logs are printed if not.
@@ -408,11 +418,7 @@ fn returns_to_cm(a: &Node, b: &Node, within: Duration, what: &str) {
         )
     });
     eprintln!("{what}: back on CM after {:.1?}", t.elapsed());
-    let goes_cm = || a.peer(peer).unwrap().unwrap();
-    wait_until(Duration::from_secs(15), || {
-        goes_cm().traffic.tx_cm_bytes > back.traffic.tx_cm_bytes + (1 << 20)
-    });
-    let later = goes_cm();
+    let later = over_cm_past(a, peer, &back);
     assert!(
         later.traffic.tx_cm_bytes > back.traffic.tx_cm_bytes + (1 << 20),
         "back on CM, yet the flow does not go CM: {later:?}\nA: {:#?}\nB: {:#?}\nA's log:\n{}\nB's log:\n{}",

@@ -107,13 +107,9 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     let back_from = b.peer(&a_ip).unwrap().expect("B knows A");
     let back = Stream::start(&b, &a, 5302);
     eprintln!("B streams to A (B's view of A: {back_from:?})");
-    let b_to_a = || b.peer(&a_ip).unwrap().expect("B knows A");
-    wait_until(Duration::from_secs(15), || {
-        b_to_a().traffic.tx_cm_bytes > back_from.traffic.tx_cm_bytes + (1 << 20)
-    });
+    let back_to = over_cm_past(&b, &a_ip, &back_from);
     let during = cm_of(&a);
     let b_during = cm_of(&b);
-    let back_to = b_to_a();
     eprintln!(
         "{} B checked at A; B's view of A: {back_to:?}; B's engine: {:?}; A's \
          engine: {:?}",

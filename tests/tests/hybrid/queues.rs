@@ -296,11 +296,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let back = a
         .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("not back on CM after the pause: {:#?}", a.cm().unwrap()));
-    let goes_cm = || a.peer(&b_ip).unwrap().expect("A knows B");
-    wait_until(Duration::from_secs(15), || {
-        goes_cm().traffic.tx_cm_bytes > back.traffic.tx_cm_bytes + (1 << 20)
-    });
-    let later = goes_cm();
+    let later = over_cm_past(&a, &b_ip, &back);
     let after = cm_of(&a);
     let sent = stream.finish();
     let overflows = engine_count(&after, "tx_congested") - engine_count(&before, "tx_congested");
