@@ -323,12 +323,8 @@ impl Engine {
                     cq.arm()?;
                     more = self.io.completions(&self.tun)?;
                 }
-                // What the CQ still held after the last turn's share: taken after the other
-                // branches had their chance (select picks among the ready at random) and the
-                // runtime too. The yield is what lets the control loop, which shares this
-                // thread, run between turns: a future that is always ready never gives the
-                // thread back (seen: a peer taken for dead, its keepalives unread for 3.9 s,
-                // under four bulk streams in the VM).
+                // What the CQ still held after the last turn's share, taken after a yield: the
+                // control loop shares this thread, and a future always ready never gives it back.
                 () = tokio::task::yield_now(), if more => {
                     more = self.io.completions(&self.tun)?;
                 }

@@ -12,8 +12,8 @@ impl Manager {
     pub async fn start(iface: &str, pin_dir: &Path, opts: CmOptions) -> Result<Self, CmError> {
         let (t0, dev, port) = (std::time::Instant::now(), &opts.device, opts.port);
         tracing::info!("starting connected mode on {iface}: {dev} port {port}");
-        // Blocking, on the loop's thread (made on another, the SRQ's region was missing from
-        // `rdma resource show mr` under our PID); 0.2-0.4 s on soft-RoCE. The rest is awaited.
+        // Blocking, on the loop's thread: the kernel lists an RDMA object under the thread that
+        // made it (docs/architecture.md). The rest is awaited.
         let (hca, ledger) = open_hca(iface, &opts)?;
         test_start_delay(iface, &opts).await;
         let mut maps = DatapathMaps::from_pins(pin_dir)?;
@@ -112,10 +112,10 @@ impl Manager {
 /// Makes the stack accept IPv4 packets written into the TUN device from peers whose route is
 /// the IPoIB interface. The reverse-path filter uses max(all, device): the device's own
 /// setting goes to 0; with `all` at 2 (loose, systemd's default) a device without an IPv4
-/// address still fails the check (fib_validate_source: no address -> last resort -> drop;
-/// seen here: 13 packets in on the TUN device, 13 fewer delivered), so the interface's IPv4
-/// addresses are added to it as /32 without a prefix route, which changes no routing. With
-/// `all` at 1 (strict) nothing arriving on the TUN device passes: said loudly.
+/// address still fails the check (fib_validate_source: no address -> last resort -> drop),
+/// so the interface's IPv4 addresses are added to it as /32 without a prefix route, which
+/// changes no routing. With `all` at 1 (strict) nothing arriving on the TUN device passes:
+/// said loudly.
 pub(super) async fn accept_on_tun(
     iface: &rtnl::NamedLink,
     tun: &rtnl::NamedLink,
