@@ -723,8 +723,15 @@ impl Manager {
         }
         self.core.handle_shutdown();
         self.execute()?;
-        // Let the engine drop the routes and the watchers close their QPs.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The routes' removal taken by every lane before it stops (a wedged lane is not
+        // waited for past a second: stopping it aborts it).
+        let synced = tokio::time::timeout(Duration::from_secs(1), self.engine.control.sync());
+        if synced.await.is_err() {
+            tracing::warn!(
+                "{}: the engine did not take its last commands in 1 s",
+                self.iface
+            );
+        }
         let _ = self.engine.stop.send(true);
         let result = match self.engine.task.take() {
             Some(task) => stop_engine(task).await,

@@ -417,6 +417,9 @@ impl Io {
                 self.core.add_route(ip, route);
             }
             EngineCommand::Fault(_) => {}
+            EngineCommand::Sync(ack) => {
+                let _ = ack.send(());
+            }
             EngineCommand::RemoveRoute { ip, qpn, close } => {
                 match self.core.remove_route(ip, qpn) {
                     Removal::NotHere => drop(close),

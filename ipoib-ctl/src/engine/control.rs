@@ -212,6 +212,8 @@ pub enum EngineCommand {
     },
     /// A test hook (`attach --test-faults`): break the engine on purpose.
     Fault(Fault),
+    /// Answered once every command sent before it has been taken.
+    Sync(oneshot::Sender<()>),
 }
 
 /// How a test breaks the engine, to prove the control loop catches each.
@@ -293,6 +295,22 @@ impl EngineControl {
         for lane in self.0.iter() {
             let close = close.clone();
             let _ = lane.send(EngineCommand::RemoveRoute { ip, qpn, close });
+        }
+    }
+
+    /// Resolves once every lane has taken every command sent before (or has stopped).
+    pub async fn sync(&self) {
+        let acks: Vec<oneshot::Receiver<()>> = self
+            .0
+            .iter()
+            .map(|lane| {
+                let (tx, rx) = oneshot::channel();
+                let _ = lane.send(EngineCommand::Sync(tx));
+                rx
+            })
+            .collect();
+        for ack in acks {
+            let _ = ack.await;
         }
     }
 
