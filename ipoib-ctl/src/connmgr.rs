@@ -665,6 +665,17 @@ impl Manager {
     }
 
     fn write_status(&self) {
+        let status = self.status();
+        if let Ok(json) = serde_json::to_vec_pretty(&status)
+            && let Err(e) = crate::files::replace(&self.opts.status_path, &json)
+        {
+            tracing::debug!("writing {}: {e}", self.opts.status_path.display());
+        }
+    }
+
+    /// What connected mode reports now: what it writes to its status file once a tick, and
+    /// what the control loop's metrics are made from.
+    pub fn status(&self) -> CmStatus {
         let peers = self
             .core
             .peers(monotonic_ns())
@@ -673,7 +684,7 @@ impl Manager {
             .collect();
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let engine = EngineStats::total(self.engine.stats.iter().map(|s| &**s)).snapshot();
-        let status = CmStatus {
+        CmStatus {
             device: self.opts.device.clone(),
             tun: self.tun.clone(),
             receive: receive_status(&self.res.recv, self.budget_bytes),
@@ -707,11 +718,6 @@ impl Manager {
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
             peers,
-        };
-        if let Ok(json) = serde_json::to_vec_pretty(&status)
-            && let Err(e) = crate::files::replace(&self.opts.status_path, &json)
-        {
-            tracing::debug!("writing {}: {e}", self.opts.status_path.display());
         }
     }
 

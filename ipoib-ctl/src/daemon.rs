@@ -213,11 +213,7 @@ impl Daemon<'_> {
                 _ = slots_tick.tick() => {
                     assign_slots(self.iface, &mut self.att, &mut self.slots_short);
                 }
-                _ = metrics_tick.tick(), if self.metrics.is_some() => {
-                    if let Some(m) = &self.metrics {
-                        write_metrics(self.iface, m, &mut self.metrics_failed);
-                    }
-                }
+                _ = metrics_tick.tick(), if self.metrics.is_some() => self.write_metrics(),
                 next = self.cm.next() => {
                     // Every peer is UD after a stop, and connected mode runs again after a
                     // start: either way the heartbeat says so at once.
@@ -369,6 +365,18 @@ impl Daemon<'_> {
         finish(iface, detached)
     }
 
+    /// The metrics, made from this process's own state: its maps, its attach state and
+    /// connected mode's status as the manager has it.
+    fn write_metrics(&mut self) {
+        let Some(m) = &self.metrics else {
+            return;
+        };
+        let cm = self.cm.manager().map(|m| m.status());
+        let status =
+            crate::status::gather_from(self.iface, &self.att.maps, Some(&self.att.state), cm, true);
+        write_metrics(self.iface, m, status, &mut self.metrics_failed);
+    }
+
     fn heartbeat(&mut self) -> Result<Duration, DaemonError> {
         heartbeat(
             &mut self.att,
@@ -420,15 +428,18 @@ fn assign_slots(iface: &str, att: &mut Attached, short: &mut bool) {
     }
 }
 
-/// Writes the metrics file from what `status` shows now; a failure is logged once (and its
-/// end once), the loop goes on.
-fn write_metrics(iface: &str, m: &MetricsOut, failed: &mut bool) {
-    let written = crate::status::gather(iface)
-        .map_err(|e| e.to_string())
-        .and_then(|s| {
-            let text = crate::metrics::render(&s, m.per_peer);
-            crate::metrics::write_textfile(&m.dir, iface, &text).map_err(|e| e.to_string())
-        });
+/// Writes the metrics file from `status` (what `status` would show now); a failure is logged
+/// once (and its end once), the loop goes on.
+fn write_metrics(
+    iface: &str,
+    m: &MetricsOut,
+    status: Result<crate::status::Status, AttachError>,
+    failed: &mut bool,
+) {
+    let written = status.map_err(|e| e.to_string()).and_then(|s| {
+        let text = crate::metrics::render(&s, m.per_peer);
+        crate::metrics::write_textfile(&m.dir, iface, &text).map_err(|e| e.to_string())
+    });
     match written {
         Ok(()) if *failed => {
             *failed = false;

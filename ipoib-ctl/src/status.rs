@@ -226,6 +226,21 @@ pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
 pub fn gather(iface: &str) -> Result<Status, AttachError> {
     let maps = attach::open(iface)?;
     let state = attach::read_state(iface);
+    let loop_pid = state.as_ref().and_then(|s| s.loop_pid);
+    let running = loop_pid.is_some_and(pid_alive);
+    let cm = cm::read_status(iface).filter(|_| running);
+    gather_from(iface, &maps, state.as_ref(), cm, running)
+}
+
+/// `iface`'s status from what the caller holds: its maps, its state, connected mode's status
+/// and whether its control loop runs (the control loop's own, for its metrics).
+pub fn gather_from(
+    iface: &str,
+    maps: &DatapathMaps,
+    state: Option<&AttachState>,
+    cm: Option<cm::CmStatus>,
+    loop_running: bool,
+) -> Result<Status, AttachError> {
     let policy = maps.policy()?;
     let hb = maps.heartbeat()?;
     let (heartbeat_age_ms, failsafe_active) =
@@ -243,25 +258,22 @@ pub fn gather(iface: &str) -> Result<Status, AttachError> {
             )
         })
         .collect();
-    let loop_pid = state.as_ref().and_then(|s| s.loop_pid);
     Ok(Status {
         iface: iface.to_string(),
-        ifindex: state.as_ref().map(|s| s.ifindex),
-        egress_attach: state
-            .as_ref()
-            .map(|s| format!("{:?}", s.egress).to_lowercase()),
-        xdp_mode: state.as_ref().map(|s| s.xdp_mode.clone()),
-        policy: PolicyView::new(&policy, state.as_ref()),
+        ifindex: state.map(|s| s.ifindex),
+        egress_attach: state.map(|s| format!("{:?}", s.egress).to_lowercase()),
+        xdp_mode: state.map(|s| s.xdp_mode.clone()),
+        policy: PolicyView::new(&policy, state),
         heartbeat_age_ms,
         heartbeat_writer_pid: hb.writer_pid,
         failsafe_active,
-        loop_pid,
-        loop_running: loop_pid.is_some_and(pid_alive),
+        loop_pid: state.and_then(|s| s.loop_pid),
+        loop_running,
         reasons,
         peer_cache: maps::peer_cache_pinned(&attach::pin_dir(iface).join(attach::PROG_EGRESS))?,
-        peers: peers(&maps)?,
-        cm: cm::read_status(iface).filter(|_| loop_pid.is_some_and(pid_alive)),
-        presence: state.as_ref().map(attach::presence),
+        peers: peers(maps)?,
+        cm,
+        presence: state.map(attach::presence),
     })
 }
 
