@@ -107,8 +107,8 @@ impl PolicyView {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PeerView {
     pub addr: String,
-    /// "ud", "cm_pending", "cm_up", or "-" for a peer only seen in traffic.
-    pub mode: String,
+    /// In JSON "ud", "cm_pending", "cm_up", or "-" for a peer only seen in traffic.
+    pub mode: PeerModeView,
     pub pin: String,
     pub cm_ifindex: u32,
     pub generation: u32,
@@ -179,12 +179,65 @@ pub struct Status {
     pub presence: Option<attach::Presence>,
 }
 
-fn mode_name(m: u8) -> String {
-    match PeerMode::try_from(m) {
-        Ok(PeerMode::Ud) => "ud".into(),
-        Ok(PeerMode::CmPending) => "cm_pending".into(),
-        Ok(PeerMode::CmUp) => "cm_up".into(),
-        Err(other) => format!("unknown({other})"),
+/// A peer's mode in the fast path's map, as `status` and `peers` show it; in JSON by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum PeerModeView {
+    Ud,
+    CmPending,
+    CmUp,
+    /// Seen in traffic only: no entry in the map ("-").
+    Unseen,
+    /// A value this build does not know ("unknown(N)").
+    Unknown(u8),
+}
+
+impl PeerModeView {
+    /// The mode of an entry as the map holds it.
+    pub fn of(m: u8) -> Self {
+        match PeerMode::try_from(m) {
+            Ok(PeerMode::Ud) => Self::Ud,
+            Ok(PeerMode::CmPending) => Self::CmPending,
+            Ok(PeerMode::CmUp) => Self::CmUp,
+            Err(other) => Self::Unknown(other),
+        }
+    }
+}
+
+impl std::fmt::Display for PeerModeView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Ud => f.pad("ud"),
+            Self::CmPending => f.pad("cm_pending"),
+            Self::CmUp => f.pad("cm_up"),
+            Self::Unseen => f.pad("-"),
+            Self::Unknown(n) => f.pad(&format!("unknown({n})")),
+        }
+    }
+}
+
+impl From<PeerModeView> for String {
+    fn from(m: PeerModeView) -> String {
+        m.to_string()
+    }
+}
+
+impl TryFrom<String> for PeerModeView {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "ud" => Ok(Self::Ud),
+            "cm_pending" => Ok(Self::CmPending),
+            "cm_up" => Ok(Self::CmUp),
+            "-" => Ok(Self::Unseen),
+            other => other
+                .strip_prefix("unknown(")
+                .and_then(|r| r.strip_suffix(')'))
+                .and_then(|n| n.parse().ok())
+                .map(Self::Unknown)
+                .ok_or_else(|| format!("not a peer mode: `{s}`")),
+        }
     }
 }
 
@@ -212,7 +265,7 @@ pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
         .into_iter()
         .map(|(ip, (e, t))| PeerView {
             addr: ip.to_string(),
-            mode: e.map_or_else(|| "-".into(), |e| mode_name(e.mode)),
+            mode: e.map_or(PeerModeView::Unseen, |e| PeerModeView::of(e.mode)),
             pin: e
                 .and_then(|e| Pin::try_from(e.pin).ok())
                 .map_or_else(|| "auto".into(), |p| p.to_string()),
@@ -603,10 +656,24 @@ mod tests {
 
     #[test]
     fn peer_modes_by_name_and_unknown_ones_by_number() {
-        assert_eq!(mode_name(PeerMode::Ud as u8), "ud");
-        assert_eq!(mode_name(PeerMode::CmPending as u8), "cm_pending");
-        assert_eq!(mode_name(PeerMode::CmUp as u8), "cm_up");
-        assert_eq!(mode_name(200), "unknown(200)");
+        let name = |m: u8| PeerModeView::of(m).to_string();
+        assert_eq!(name(PeerMode::Ud as u8), "ud");
+        assert_eq!(name(PeerMode::CmPending as u8), "cm_pending");
+        assert_eq!(name(PeerMode::CmUp as u8), "cm_up");
+        assert_eq!(name(200), "unknown(200)");
+        // The same names in JSON, both ways, "-" for a peer seen in traffic only.
+        for m in [
+            PeerModeView::Ud,
+            PeerModeView::CmPending,
+            PeerModeView::CmUp,
+            PeerModeView::Unseen,
+            PeerModeView::Unknown(200),
+        ] {
+            let json = serde_json::to_string(&m).unwrap();
+            assert_eq!(json, format!("\"{m}\""));
+            assert_eq!(serde_json::from_str::<PeerModeView>(&json).unwrap(), m);
+        }
+        assert!(serde_json::from_str::<PeerModeView>("\"up\"").is_err());
     }
 
     #[test]
@@ -765,7 +832,7 @@ mod tests {
     fn peer(addr: &str) -> PeerView {
         PeerView {
             addr: addr.into(),
-            mode: "ud".into(),
+            mode: PeerModeView::Ud,
             pin: "auto".into(),
             cm_ifindex: 0,
             generation: 0,

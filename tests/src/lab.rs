@@ -24,7 +24,7 @@ use crate::programs::{must, output as run};
 use anyhow::{Context as _, Result, bail};
 use ipoib_ctl::{
     status::cm::CmStatus,
-    status::{PeerView, Status},
+    status::{PeerModeView, PeerView, Status},
 };
 
 /// One node of the lab.
@@ -153,9 +153,14 @@ impl Node {
         Ok(self.status()?.cm)
     }
 
-    /// Waits up to `within` for this node's entry of `peer` to be in `mode` ("ud", "cm_up",
-    /// ...); the entry then, or None.
-    pub fn wait_peer_mode(&self, peer: &str, mode: &str, within: Duration) -> Option<PeerView> {
+    /// Waits up to `within` for this node's entry of `peer` to be in `mode`; the entry then,
+    /// or None.
+    pub fn wait_peer_mode(
+        &self,
+        peer: &str,
+        mode: PeerModeView,
+        within: Duration,
+    ) -> Option<PeerView> {
         let t = Instant::now();
         while t.elapsed() < within {
             if let Ok(Some(p)) = self.peer(peer)

@@ -7,7 +7,7 @@ use std::{
 };
 
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
-use ipoib_ctl::{connmgr::listen, maps::DatapathMaps};
+use ipoib_ctl::{connmgr::listen, maps::DatapathMaps, status::PeerModeView};
 use ipoib_tests::lab::{json_u64 as u, *};
 
 fn ping(from: &Node, to: &str, count: u32, size: u32, interval: &str) -> (u32, u32) {
@@ -63,7 +63,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
     // slot can be lost: see `DatapathMaps::give_slot`).
     for (n, peer) in [(&a, &b_ip), (&b, &a_ip)] {
         assert!(
-            n.wait_peer_mode(peer, "ud", Duration::from_secs(10))
+            n.wait_peer_mode(peer, PeerModeView::Ud, Duration::from_secs(10))
                 .is_some(),
             "{}: no entry for {peer}: {:?}",
             n.ns,

@@ -38,7 +38,7 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
-use ipoib_ctl::{engine::EngineConfig, maps::PeerCacheCounts, verbs::Device};
+use ipoib_ctl::{engine::EngineConfig, maps::PeerCacheCounts, status::PeerModeView, verbs::Device};
 use ipoib_tests::{
     bench::{CpuSplit, TICKS_PER_S, stat_user_system},
     cmlab::rxe_device,
@@ -92,7 +92,7 @@ fn renice(pid: u32, nice: i32) -> Result<()> {
     Ok(())
 }
 
-fn wait_mode(a: &Node, peer: &str, mode: &str, within: Duration) -> Result<()> {
+fn wait_mode(a: &Node, peer: &str, mode: PeerModeView, within: Duration) -> Result<()> {
     a.wait_peer_mode(peer, mode, within)
         .map(|_| ())
         .with_context(|| format!("{peer} did not become {mode} in {within:?}"))
@@ -447,7 +447,7 @@ fn cm_run(a: &Node, b: &Node, ctls: Ctls, secs: u32, streams: u32) -> Result<Run
         let _ = a.cmd("ping").args(["-c", "1", "-W", "1", &b_ip]).output();
         std::thread::sleep(Duration::from_millis(500));
     }
-    wait_mode(a, &b_ip, "cm_up", Duration::from_secs(1))?;
+    wait_mode(a, &b_ip, PeerModeView::CmUp, Duration::from_secs(1))?;
     iperf(a, b, ctls, secs, streams)
 }
 
@@ -530,18 +530,28 @@ fn bench(
             .rate(cm.engine_msgs)?;
             // UD: mode=datagram drains the connection; the fast path sends everything UD.
             set_mode(&a, "datagram")?;
-            wait_mode(&a, &b_ip, "ud", Duration::from_secs(10))?;
+            wait_mode(&a, &b_ip, PeerModeView::Ud, Duration::from_secs(10))?;
             let beside =
                 send_bw_beside_flow(&a, &b, &perftest, cm.engine_msgs, cm.mbit_s, args.streams)?;
             // CM again, on rings per connection, in the other lab.
             let on_rings = cm_run(&ra, &rb, ring_ctls, args.seconds, args.streams)?;
             set_mode(&ra, "datagram")?;
-            wait_mode(&ra, &rb.ip4.to_string(), "ud", Duration::from_secs(10))?;
+            wait_mode(
+                &ra,
+                &rb.ip4.to_string(),
+                PeerModeView::Ud,
+                Duration::from_secs(10),
+            )?;
             let ud = iperf(&a, &b, ctls, args.seconds, args.streams)?;
             if let (Some((ba, bb)), Some(bc)) = (&base_nodes, base_ctls) {
                 let base = cm_run(ba, bb, bc, args.seconds, args.streams)?;
                 set_mode(ba, "datagram")?;
-                wait_mode(ba, &bb.ip4.to_string(), "ud", Duration::from_secs(10))?;
+                wait_mode(
+                    ba,
+                    &bb.ip4.to_string(),
+                    PeerModeView::Ud,
+                    Duration::from_secs(10),
+                )?;
                 let (model, mine) = if args.baseline_rings {
                     ("rings", &on_rings)
                 } else {

@@ -227,7 +227,7 @@ fn live_line(t: f64, a: &Node, b: &Node) {
         s.peers
             .iter()
             .find(|p| p.addr == b.ip4.to_string())
-            .map(|p| (p.mode.clone(), p.traffic.tx_ud_bytes, p.traffic.tx_cm_bytes))
+            .map(|p| (p.mode, p.traffic.tx_ud_bytes, p.traffic.tx_cm_bytes))
     });
     let conns = |s: Option<&status::Status>| {
         s.and_then(|s| s.cm.as_ref())

@@ -31,13 +31,13 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5302);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12))
         .expect("promoted");
 
     lab.kill9(pid_b);
     let t = Instant::now();
     let fell = a
-        .wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
+        .wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(10))
         .expect("A kept B on CM after B's engine died");
     eprintln!("B killed: A fell back to UD after {:.1?}", t.elapsed());
     goes_on_over_ud(&a, &b_ip, &fell);
@@ -50,7 +50,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let b_view = b.peer(&a_ip).unwrap().expect("B knows A").mode;
     let a_view = a.peer(&b_ip).unwrap().unwrap().mode;
     assert!(
-        b_view == "ud" || a_view != "ud",
+        b_view == PeerModeView::Ud || a_view != PeerModeView::Ud,
         "B restarted with a stale entry for A: {b_view} (A sees B as {a_view})"
     );
     // After A's backoff the flow is promoted again.
@@ -82,7 +82,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     let udp = PacedUdp::start(&a, &b, 5340);
     let stream = Stream::start(&a, &b, 5341);
     let on_cm = a
-        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .expect("promoted");
     // Both flows on CM: the datagrams are counted there too.
     std::thread::sleep(Duration::from_secs(2));
@@ -119,7 +119,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         || stream.received(),
         || {
             attach(&mut lab, Which::A, recv, &dev, &[]);
-            a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
+            a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
                 .expect("promoted again after the restart");
             up_again = restarted.elapsed();
             std::thread::sleep(Duration::from_secs(2));
@@ -181,7 +181,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         span(&idle_kill),
         span(&idle_restart)
     );
-    if left == "cm_up" {
+    if left == PeerModeView::CmUp {
         assert!(gone > 0, "no packet met the gone device's check");
     }
     assert!(
@@ -312,7 +312,10 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
             peak.2.max(rss),
             peak.3.max(fds),
         );
-        if b.peer(&a_ip).unwrap().is_some_and(|p| p.mode == "cm_up") {
+        if b.peer(&a_ip)
+            .unwrap()
+            .is_some_and(|p| p.mode == PeerModeView::CmUp)
+        {
             on_cm_at = Some(start.elapsed());
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -391,14 +394,14 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5303);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12))
         .expect("promoted");
 
     let guard = LinkUp("rxev0".into());
     set_link("rxev0", "down").unwrap();
     let t = Instant::now();
     let fell = a
-        .wait_peer_mode(&b_ip, "ud", Duration::from_secs(15))
+        .wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(15))
         .unwrap_or_else(|| {
             panic!(
                 "A kept B on CM with the RC path down: {:#?}",
@@ -447,7 +450,7 @@ fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let flow = PacedUdp::every(&a, &b, 5390, Duration::from_millis(10));
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
         .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", a.cm().unwrap(), ctl_log(&a)));
     std::thread::sleep(Duration::from_secs(1));
     let before = cm_of(&a);
@@ -523,7 +526,11 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     let gave_up = wait_until(Duration::from_secs(60), || {
         let p = a.peer(&b_ip).unwrap();
         if let Some(p) = &p {
-            assert_ne!(p.mode, "cm_up", "CM with the handshake port blocked");
+            assert_ne!(
+                p.mode,
+                PeerModeView::CmUp,
+                "CM with the handshake port blocked"
+            );
         }
         let failures = cm_peer(&cm_of(&a), &b_ip).map_or(0, |p| p.failures);
         failures >= 1 && p.is_some_and(|p| p.traffic.tx_ud_bytes > before + (1 << 20))
@@ -552,7 +559,7 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     // Open again: promoted after the backoff.
     nft("delete table inet hs");
     let t = Instant::now();
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(60))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(60))
         .unwrap_or_else(|| {
             panic!(
                 "not on CM 60 s after the port opened: {:#?}",
@@ -600,7 +607,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         Recv::Rings => assert_eq!((rx.depth, rx.max_rings), (64, 4), "{rx:?}"),
     }
     let stream = Stream::start(&a, &b, 5305);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12))
         .expect("promoted");
     std::thread::sleep(Duration::from_secs(2));
 
@@ -609,7 +616,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     assert_eq!(unsafe { libc::kill(pid_b as i32, libc::SIGSTOP) }, 0);
     let t = Instant::now();
     let fell = a
-        .wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
+        .wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(10))
         .unwrap_or_else(|| panic!("A kept B on CM with B stalled: {:#?}", a.cm().unwrap()));
     let took = t.elapsed();
     // The map changes at once; the policy's view is written into the status once a tick.
@@ -654,7 +661,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     assert!(flows().is_some_and(|f| f >= 1), "A's engine tracks no flow");
     let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
     assert!(out.status.success());
-    a.wait_peer_mode(&b_ip, "ud", Duration::from_secs(10))
+    a.wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(10))
         .expect("mode=datagram drained B");
     wait_until(Duration::from_secs(10), || flows() == Some(0));
     assert_eq!(flows(), Some(0), "the closed connection's flow lingers");

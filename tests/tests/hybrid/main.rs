@@ -28,7 +28,7 @@ use std::{
 use ipoib_ctl::{
     promotion::Failure,
     status::{
-        PeerView, Status,
+        PeerModeView, PeerView, Status,
         cm::{CmPeerState, CmStatus, PeerStatus, read_status},
     },
 };
@@ -408,7 +408,7 @@ fn over_cm_past(n: &Node, peer: &str, since: &PeerView) -> PeerView {
 fn returns_to_cm(a: &Node, b: &Node, within: Duration, what: &str) {
     let peer = &b.ip4.to_string();
     let t = Instant::now();
-    let back = a.wait_peer_mode(peer, "cm_up", within).unwrap_or_else(|| {
+    let back = a.wait_peer_mode(peer, PeerModeView::CmUp, within).unwrap_or_else(|| {
         panic!(
             "not back on CM within {within:?} of {what}: {:#?}\nB: {:#?}\nA's log:\n{}\nB's log:\n{}",
             a.cm().unwrap(),

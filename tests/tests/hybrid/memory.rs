@@ -165,7 +165,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
             .peer(&a.ip4.to_string())
             .unwrap()
             .expect("A in the peer's map");
-        if view.mode != "cm_up" {
+        if view.mode != PeerModeView::CmUp {
             on_ud += 1;
         }
     }

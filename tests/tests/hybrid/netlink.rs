@@ -75,7 +75,7 @@ fn connected_mode_follows_the_interface_over_netlink_and_runs_no_program() {
 
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5395);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", cm_of(&a), ctl_log(&a)));
     // An address added to the interface, then the first one removed and put back.
     let extra = "10.79.0.1";

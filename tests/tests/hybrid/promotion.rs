@@ -47,7 +47,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     let stream = Stream::start(&a, &b, 5301);
     // Promotion: B becomes cm_up at A within a few ticks of the flow starting.
     let t0 = Instant::now();
-    let at_promotion = a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(12));
+    let at_promotion = a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12));
     let at_promotion = at_promotion
         .unwrap_or_else(|| panic!("B was not promoted at A in 12 s: {:#?}", a.cm().unwrap()));
     let promoted_after = t0.elapsed();
@@ -93,7 +93,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     );
     // Still B's connection: on CM, or back on it within seconds after a moment of congestion
     // (its queue past the backlog sends the peer UD until it drains; counted as congested).
-    let still = a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(5));
+    let still = a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(5));
     assert!(
         still.is_some(),
         "B is off CM after the small traffic: {:?}; A's engine {:?}",
@@ -229,7 +229,10 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     assert!(tun_gone(), "{tun_a} outlived A's control loop");
     wait_until(Duration::from_secs(10), || cm_of(&b).connections == 0);
     assert_eq!(cm_of(&b).connections, 0, "B kept a dead connection");
-    assert_eq!(b.peer(&a.ip4.to_string()).unwrap().unwrap().mode, "ud");
+    assert_eq!(
+        b.peer(&a.ip4.to_string()).unwrap().unwrap().mode,
+        PeerModeView::Ud
+    );
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }
@@ -250,7 +253,7 @@ fn an_ipv6_peer_is_promoted_too() {
     let key = b6.to_string();
     let stream = Stream::start_to(&a, &b, std::net::SocketAddr::new(b6.into(), 5306));
     let at = a
-        .wait_peer_mode(&key, "cm_up", Duration::from_secs(15))
+        .wait_peer_mode(&key, PeerModeView::CmUp, Duration::from_secs(15))
         .unwrap_or_else(|| {
             panic!(
                 "{key} was not promoted at A in 15 s: {:#?}",
@@ -341,7 +344,7 @@ fn connected_mode_is_set_up_in_the_interfaces_partition() {
         .unwrap();
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5380);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(20))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
         .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", a.cm().unwrap(), ctl_log(&a)));
     std::thread::sleep(Duration::from_secs(2));
     let sent = stream.finish();
@@ -391,7 +394,7 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
         (held.traffic.tx_ud_bytes - first.traffic.tx_ud_bytes) >> 20,
         held.traffic.tx_cm_bytes
     );
-    assert_eq!(held.mode, "ud", "{held:?}\n{}", ctl_log(&a));
+    assert_eq!(held.mode, PeerModeView::Ud, "{held:?}\n{}", ctl_log(&a));
     assert_eq!(held.traffic.tx_cm_bytes, 0, "{held:?}");
     assert!(
         held.traffic.tx_ud_bytes > first.traffic.tx_ud_bytes + (8 << 20),
@@ -414,7 +417,7 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
     a.set_tso(false).unwrap();
     let t = Instant::now();
     let up = a
-        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+        .wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .unwrap_or_else(|| {
             panic!(
                 "not promoted once TSO was off: {:#?}\n{}",
@@ -493,7 +496,7 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
     }
     // UD, or cm_pending while a retry after the backoff runs (its packets go UD meanwhile).
     let view = a.peer(&b_ip).unwrap().expect("A knows B");
-    assert_ne!(view.mode, "cm_up", "{view:?}");
+    assert_ne!(view.mode, PeerModeView::CmUp, "{view:?}");
     goes_on_over_ud(&a, &b_ip, &view);
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact over UD", sent >> 20);

@@ -90,7 +90,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
     let rounds = if long_run() { 5 } else { 3 };
     for round in 0..rounds {
         for ip in &ips {
-            a.wait_peer_mode(ip, "cm_up", Duration::from_secs(30))
+            a.wait_peer_mode(ip, PeerModeView::CmUp, Duration::from_secs(30))
                 .unwrap_or_else(|| panic!("round {round}: {ip} not on CM:\n{}", ctl_log(&a)));
         }
         let on_cm = counts(&cm_of(&a));
@@ -175,7 +175,7 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
     let generation = || a.peer(&b_ip).unwrap().map_or(0, |p| p.generation);
     let gen_before = generation();
     let streams: Vec<Stream> = (0..4).map(|i| Stream::start(&a, &b, 5320 + i)).collect();
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .expect("promoted");
     // Big packets sent UD because the peer is not CM_UP (the fast path's reason counter):
     // from here on, only the overflow makes any.
@@ -206,11 +206,13 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
     // more than the promotion's own two writes (CM_PENDING, CM_UP).
     let marked_and_back = || {
         generation().wrapping_sub(gen_before) >= 4
-            && a.peer(&b_ip).unwrap().is_some_and(|p| p.mode == "cm_up")
+            && a.peer(&b_ip)
+                .unwrap()
+                .is_some_and(|p| p.mode == PeerModeView::CmUp)
     };
     wait_until(Duration::from_secs(20), marked_and_back);
     let later = not_up(&a.status().unwrap());
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(10))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(10))
         .expect("CM again once drained");
     let writes = generation().wrapping_sub(gen_before);
     eprintln!(
@@ -267,7 +269,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5340);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .expect("promoted");
     std::thread::sleep(Duration::from_secs(2));
     let before = cm_of(&a);
@@ -282,7 +284,10 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let mut taken: Option<Instant> = None;
     let t = Instant::now();
     while taken.is_none_or(|at| at.elapsed() < Duration::from_secs(3)) {
-        went_ud |= a.peer(&b_ip).unwrap().is_some_and(|p| p.mode == "ud");
+        went_ud |= a
+            .peer(&b_ip)
+            .unwrap()
+            .is_some_and(|p| p.mode == PeerModeView::Ud);
         b_failsafe |= b.status().is_ok_and(|s| s.failsafe_active);
         if taken.is_none() && !std::path::Path::new(&fault).exists() {
             taken = Some(Instant::now());
@@ -294,7 +299,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
         std::thread::sleep(Duration::from_millis(100));
     }
     let back = a
-        .wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(10))
+        .wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(10))
         .unwrap_or_else(|| panic!("not back on CM after the pause: {:#?}", a.cm().unwrap()));
     let later = over_cm_past(&a, &b_ip, &back);
     let after = cm_of(&a);

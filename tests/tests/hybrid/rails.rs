@@ -84,7 +84,7 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
     let s0 = Stream::start(&a0, &b0, 5360);
     let s1 = Stream::start(&a1, &b1, 5361);
     for (n, peer) in [(&a0, &b0_ip), (&a1, &b1_ip)] {
-        n.wait_peer_mode(peer, "cm_up", Duration::from_secs(20))
+        n.wait_peer_mode(peer, PeerModeView::CmUp, Duration::from_secs(20))
             .unwrap_or_else(|| {
                 panic!(
                     "{} not promoted: {:#?}\n{}",
@@ -121,7 +121,7 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
     // Rail 0 stays CM; a queue overflow sends it UD while the queue drains (by design: seen
     // in a CI run, 2 overflows), so it must be CM again within the drain, on the same
     // connection (checked below).
-    let settled = a0.wait_peer_mode(&b0_ip, "cm_up", Duration::from_secs(10));
+    let settled = a0.wait_peer_mode(&b0_ip, PeerModeView::CmUp, Duration::from_secs(10));
     assert!(
         settled.is_some(),
         "rail 0 left CM (seen {}): {rail0_after:#?}",
@@ -192,7 +192,9 @@ fn two_rails_share_the_nodes_budget() {
         let up: Vec<usize> = (0..2)
             .filter(|i| {
                 let (n, peer, _) = &by_rail[*i];
-                n.peer(peer).unwrap().is_some_and(|p| p.mode == "cm_up")
+                n.peer(peer)
+                    .unwrap()
+                    .is_some_and(|p| p.mode == PeerModeView::CmUp)
             })
             .collect();
         assert!(up.len() <= 1, "both rails on CM with one ring");
@@ -211,7 +213,7 @@ fn two_rails_share_the_nodes_budget() {
     // UD, or cm_pending while a retry after its backoff asks for a ring again.
     assert_ne!(
         n_lost.peer(peer_lost).unwrap().unwrap().mode,
-        "cm_up",
+        PeerModeView::CmUp,
         "rail {lost} on CM without a ring"
     );
     // The rail holding the ring loses its loop: the other takes the ring.
@@ -223,7 +225,7 @@ fn two_rails_share_the_nodes_budget() {
         n_lost
             .peer(peer_lost)
             .unwrap()
-            .is_some_and(|p| p.mode == "cm_up")
+            .is_some_and(|p| p.mode == PeerModeView::CmUp)
     });
     assert!(
         back,

@@ -41,7 +41,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, port);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .expect("promoted");
     for n in [&a, &b] {
         let cm = cm_of(n);
@@ -68,8 +68,12 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
     std::fs::write(format!("/run/ipoib-ctl/{}.fault", a.iface), fault).unwrap();
     let t = Instant::now();
     // UD for B's big packets: the map says so, or the fail-safe does.
-    let on_ud =
-        |s: &Status| s.failsafe_active || s.peers.iter().any(|p| p.addr == b_ip && p.mode == "ud");
+    let on_ud = |s: &Status| {
+        s.failsafe_active
+            || s.peers
+                .iter()
+                .any(|p| p.addr == b_ip && p.mode == PeerModeView::Ud)
+    };
     let mut seen = None;
     let fell = wait_until(Duration::from_secs(20), || {
         let s = a.status().unwrap();
@@ -140,7 +144,7 @@ fn a_node_whose_handshake_listener_dies_starts_connected_mode_again() {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5334);
-    a.wait_peer_mode(&b_ip, "cm_up", Duration::from_secs(15))
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .expect("promoted");
     std::fs::write(format!("/run/ipoib-ctl/{}.fault", b.iface), "listener").unwrap();
     let stopped = wait_until(Duration::from_secs(10), || {
