@@ -72,6 +72,28 @@ fn test_binaries(root: &Path, targets: &[&str]) -> Result<Vec<(String, PathBuf)>
     Ok(bins)
 }
 
+/// Tests the VM does not run again: they check the CLI's own logic (bad input, privilege,
+/// status across namespaces), which no kernel version changes, and run on this machine's
+/// kernel in the same `cargo xtask test`.
+const HOST_ONLY: &[(&str, &[&str])] = &[(
+    "lab",
+    &[
+        "bad_input_is_refused_and_changes_nothing",
+        "without_root_every_command_says_so",
+        "status_tells_a_gone_interface_from_one_elsewhere",
+    ],
+)];
+
+/// libtest's `--skip` arguments for the tests of `target` that run on this machine only.
+fn host_only_skips(target: &str) -> String {
+    HOST_ONLY
+        .iter()
+        .filter(|(t, _)| *t == target)
+        .flat_map(|(_, tests)| tests.iter())
+        .map(|t| format!(" --skip {t}"))
+        .collect()
+}
+
 /// Test targets run in the VM.
 pub const TARGETS: &[&str] = &[
     "fastpath", "lab", "netlink", "upgrade", "verbs", "cm", "engine", "hybrid",
@@ -215,10 +237,11 @@ fn test_script(bins: &[(String, PathBuf)], args: &[String], long: bool) -> Strin
         script.push_str(&format!(
             "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 \
              IPOIB_TEST_LONG={} RUSTC_BOOTSTRAP=1 timeout -s KILL 2700 {} --test-threads=1 \
-             -Z unstable-options --report-time {} || rc=1; ",
+             -Z unstable-options --report-time {}{} || rc=1; ",
             u8::from(long),
             exe.display(),
-            args.join(" ")
+            args.join(" "),
+            host_only_skips(name)
         ));
     }
     script.push_str("exit $rc");
@@ -567,6 +590,28 @@ mod tests {
              \x20       4.5 s  cm::a\n\
              \x20       3.0 s  cm::b\n"
         );
+    }
+
+    #[test]
+    fn the_vm_skips_only_the_host_only_tests_of_their_target() {
+        let bins = [
+            ("lab".to_string(), PathBuf::from("/t/lab-1")),
+            ("hybrid".to_string(), PathBuf::from("/t/hybrid-1")),
+        ];
+        let script = test_script(&bins, &["--nocapture".into()], false);
+        let line = |name: &str| {
+            script
+                .split("; ")
+                .find(|c| c.contains(&format!("/t/{name}-1")))
+                .unwrap()
+                .to_string()
+        };
+        let lab = line("lab");
+        for t in HOST_ONLY[0].1 {
+            assert!(lab.contains(&format!("--skip {t}")), "{lab}");
+        }
+        assert!(lab.contains("--nocapture"), "{lab}");
+        assert!(!line("hybrid").contains("--skip"), "{}", line("hybrid"));
     }
 
     #[test]
