@@ -345,10 +345,11 @@ impl Daemon<'_> {
     /// fast path stays attached.
     async fn shutdown(mut self, looped: Result<bool, DaemonError>) -> Result<(), DaemonError> {
         let iface = self.iface;
-        if let CmState::Starting(s) = std::mem::replace(&mut self.cm, CmState::BackingOff)
-            && let Ok(m) = s.await
-        {
-            self.cm = CmState::Running(Box::new(m));
+        if let CmState::Starting(s) = &mut self.cm {
+            self.cm = match s.await {
+                Ok(m) => CmState::Running(Box::new(m)),
+                Err(_) => CmState::BackingOff,
+            };
         }
         self.notify
             .stopping(&format!("{iface}: stopping; the fast path stays attached"));
