@@ -139,6 +139,13 @@ pub struct AttachState {
     /// attached them; a state written before layouts were recorded is layout 1).
     #[serde(default = "first_layout")]
     pub layout: u32,
+    /// Why connected mode does not run now, as the control loop last said (None: it runs,
+    /// or no loop has said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cm_down: Option<String>,
+    /// The kernel's own IPoIB mode at attach and what it means for us (None: not IPoIB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_mode: Option<String>,
 }
 
 fn first_layout() -> u32 {
@@ -354,6 +361,8 @@ fn fresh_attach(
         loop_pid: None,
         netns: current_netns(),
         layout: ipoib_common::LAYOUT,
+        cm_down: None,
+        kernel_mode: None,
     };
     write_state(&state)?;
     // The maps stay pinned; reopen them from the pins so a fresh attach and an adoption hold
@@ -455,6 +464,8 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
         loop_pid: None,
         netns: None,
         layout: upgrade::pinned_layout(&dir),
+        cm_down: None,
+        kernel_mode: None,
     });
     // Adopted here: this is its namespace now.
     state.netns = current_netns();

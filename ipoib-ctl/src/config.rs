@@ -12,6 +12,7 @@ use crate::{
     iblink::{IbLink, LinkError},
     netdev::{Netdev, NetdevError},
     plan::SrqChoice,
+    policy::PolicyChange,
     rtnl,
 };
 
@@ -148,6 +149,39 @@ pub fn ib_link(iface: &str, dev: &Netdev, args: &CmArgs) -> Result<Option<IbLink
             .unwrap_or_default()
     );
     Ok(Some(link))
+}
+
+/// The policy change `attach` applies on `iface` once the kernel's own IPoIB mode is taken
+/// into account ([`crate::iblink::kernel_cm_for`]): `kernel-cm` set to follow it where the
+/// operator said nothing and the kernel runs connected mode; refused where the operator said
+/// off and that would cut big packets. With what that means, for the log and status (None on
+/// other interfaces). Read before anything changes.
+pub fn with_kernel_mode(
+    iface: &str,
+    dev: &Netdev,
+    change: Option<&PolicyChange>,
+) -> Result<(Option<PolicyChange>, Option<String>), ConfigError> {
+    let unchanged = || change.cloned();
+    if !dev.is_ipoib() {
+        return Ok((unchanged(), None));
+    }
+    let mode = match crate::iblink::kernel_mode(Path::new("/sys"), iface) {
+        Ok(Some(m)) => m,
+        Ok(None) => return Ok((unchanged(), None)),
+        Err(e) => {
+            tracing::warn!("{iface}: the kernel's IPoIB mode is unknown: {e}");
+            return Ok((unchanged(), None));
+        }
+    };
+    let asked = change.and_then(|c| c.kernel_cm);
+    let (kernel_cm, means) = crate::iblink::kernel_cm_for(iface, mode, asked)?;
+    tracing::info!("{iface}: the kernel's IPoIB mode: {means}");
+    let mut out = change.cloned().unwrap_or_default();
+    if asked.is_none() && kernel_cm {
+        out.kernel_cm = Some(true);
+        return Ok((Some(out), Some(means)));
+    }
+    Ok((unchanged(), Some(means)))
 }
 
 /// What connected mode runs with on `iface`; None (said why) when it cannot run.

@@ -12,7 +12,10 @@
 
 mod core;
 mod engine_task;
+mod error;
 mod start;
+
+pub use self::error::CmError;
 
 use std::{
     collections::HashMap,
@@ -39,72 +42,22 @@ use self::start::{cap, pins};
 pub use self::start::{listen, live_cap, probe};
 use crate::{
     clock::monotonic_ns,
-    cm::{Cm, Connection, Gone, RejectReason, Resolve, SetupConfig, SetupError},
+    cm::{Cm, Connection, Gone, Resolve, SetupConfig, SetupError},
     engine::{
         Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Fault,
         HOUSEKEEPING, RawFdRef, Route,
     },
     ledger::Ledger,
-    maps::{DatapathMaps, MapsError},
-    netdev::{self, NetdevError},
+    maps::DatapathMaps,
+    netdev, path,
     plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
     policy::Mode,
     promotion::{Config as PromotionConfig, Failure, Promoter, UdPath},
     rtnl::{self, AddressMirror, Rtnl},
     status::cm::{CmStatus, FailureStatus, NodeBudget, PeerStatus, ReceiveStatus},
-    tun::{Tun, TunError},
+    tun::Tun,
     verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
 };
-
-#[derive(Debug, thiserror::Error)]
-pub enum CmError {
-    #[error(transparent)]
-    Verbs(#[from] VerbsError),
-    #[error(transparent)]
-    Tun(#[from] TunError),
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error(transparent)]
-    Maps(#[from] MapsError),
-    #[error(transparent)]
-    Io(#[from] io::Error),
-    /// The handshake port is taken on this interface.
-    #[error(
-        "the handshake port (TCP {port}) is taken on {iface}: another `ipoib-ctl attach {iface}`, \
-         or another program listening on it for every interface (`ss -ltnp 'sport = {port}'`)"
-    )]
-    PortTaken { iface: String, port: u16 },
-    #[error("RDMA device {0} not found")]
-    NoDevice(String),
-    #[error("{device} has {ports} port(s); port {port} is not one of them")]
-    NoPort { device: String, port: u8, ports: u8 },
-    #[error(
-        "partition P_Key 0x{pkey:04x} is not in the P_Key table of {device} port {port} \
-         (`cat /sys/class/infiniband/{device}/ports/{port}/pkeys/*`; the subnet manager \
-         gives the port its partitions)"
-    )]
-    NoPartition { device: String, port: u8, pkey: u16 },
-    #[error("the memory plan for {device} allows no connected mode: {why}")]
-    NoPlan { device: String, why: String },
-    #[error(
-        "memory-budget {} is more than the node's whole budget, {} (`--node-memory-budget`)",
-        crate::policy::format_size(*asked), crate::policy::format_size(*node)
-    )]
-    OverNodeBudget { asked: u64, node: u64 },
-    #[error(transparent)]
-    Netdev(#[from] NetdevError),
-    #[error("the engine stopped: {0}")]
-    EngineStopped(String),
-    #[error("the handshake listener stopped: {0}")]
-    ListenerStopped(String),
-}
-
-/// A netlink request's failure is the interface's, as the exit codes tell them apart.
-impl From<rtnl::RtnlError> for CmError {
-    fn from(e: rtnl::RtnlError) -> Self {
-        CmError::Netdev(e.into())
-    }
-}
 
 /// What `attach` passes in.
 #[derive(Debug, Clone)]
@@ -140,27 +93,6 @@ pub struct CmOptions {
     pub promotion: PromotionConfig,
     /// Tests only: take a [`Fault`] for the engine from `RUN_DIR/IFACE.fault` on each tick.
     pub test_faults: bool,
-}
-
-impl From<&SetupError> for Failure {
-    fn from(e: &SetupError) -> Self {
-        match e {
-            SetupError::Rejected(RejectReason::NoResources | RejectReason::Busy)
-            | SetupError::Busy
-            | SetupError::Full => Failure::NoResources,
-            SetupError::Rejected(_)
-            | SetupError::Crossed
-            | SetupError::InProgress
-            | SetupError::WrongPeer { .. } => Failure::Rejected,
-            SetupError::Timeout(_) => Failure::Timeout,
-            SetupError::Io(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                Failure::NotRunning
-            }
-            SetupError::Malformed(_) | SetupError::Unexpected(_) => Failure::NotRunning,
-            SetupError::Io(_) => Failure::Network,
-            SetupError::Verbs(_) => Failure::QpError,
-        }
-    }
 }
 
 /// Where receives land now, and what they cost, for the CM status.
@@ -372,7 +304,7 @@ impl Manager {
         match input {
             Input::Tick => self.on_tick()?,
             Input::Engine(e) => self.on_engine_event(e),
-            Input::DeviceEvents => self.on_device_events(),
+            Input::DeviceEvents => self.on_device_events()?,
             Input::Accepted(addr, r) => self.on_accepted(addr, r),
             Input::Outcome(o) => self.on_outcome(o),
             Input::EngineStopped(why) => {
@@ -495,8 +427,9 @@ impl Manager {
     }
 
     /// The device's asynchronous events: a QP gone fatal with no send in flight to report it,
-    /// the SRQ running low, a port changing state.
-    fn on_device_events(&mut self) {
+    /// the SRQ running low; and any event of our port, which stops connected mode (the
+    /// control loop starts it again on the port as it is then).
+    fn on_device_events(&mut self) -> Result<(), CmError> {
         loop {
             match self.dev.async_event(Duration::ZERO) {
                 Ok(Some(AsyncEvent::QpFatal(qpn))) => {
@@ -504,14 +437,29 @@ impl Manager {
                         .handle_qp_error(monotonic_ns(), qpn, "device event: QP fatal");
                 }
                 Ok(Some(AsyncEvent::SrqLimitReached)) => self.core.handle_srq_limit(),
-                Ok(Some(AsyncEvent::PortChange(port))) => {
-                    tracing::info!("{} port {port} changed state", self.opts.device);
+                Ok(Some(AsyncEvent::Port(event, port))) if port == self.opts.port => {
+                    let was = &self.res.port;
+                    let now = self.dev.port_now(port).ok();
+                    let snap = |p: &verbs::PortAddress| (p.state, p.endpoint());
+                    let action =
+                        path::on_port_event(event, &snap(was), now.as_ref().map(snap).as_ref());
+                    if action == path::OnPortEvent::Restart {
+                        return Err(CmError::PortEvent {
+                            device: self.opts.device.clone(),
+                            port,
+                            event,
+                        });
+                    }
+                    tracing::info!(
+                        "{} port {port}: {event}, nothing of ours changed: connected mode goes on",
+                        self.opts.device
+                    );
                 }
                 Ok(Some(other)) => tracing::debug!("device event {other:?}"),
-                Ok(None) => return,
+                Ok(None) => return Ok(()),
                 Err(e) => {
                     tracing::warn!("reading device events: {e}");
-                    return;
+                    return Ok(());
                 }
             }
         }
@@ -780,38 +728,6 @@ impl From<CmPeer> for PeerStatus {
 #[cfg(test)]
 mod tests {
     use super::live_cap;
-
-    /// What status says of a failed setup comes from here: a refused handshake port is a peer
-    /// without ipoib-hybrid, not a QP error.
-    #[test]
-    fn setup_errors_are_filed_as_what_they_are() {
-        use std::io::{Error, ErrorKind};
-
-        use crate::{
-            cm::{SetupError, wire::RejectReason},
-            promotion::Failure,
-        };
-        let f = |e: SetupError| Failure::from(&e);
-        assert_eq!(
-            f(SetupError::Io(Error::from(ErrorKind::ConnectionRefused))),
-            Failure::NotRunning
-        );
-        assert_eq!(
-            f(SetupError::Unexpected(crate::cm::wire::Kind::Rep)),
-            Failure::NotRunning
-        );
-        assert_eq!(
-            f(SetupError::Io(Error::from(ErrorKind::ConnectionReset))),
-            Failure::Network
-        );
-        assert_eq!(f(SetupError::Timeout("REP")), Failure::Timeout);
-        assert_eq!(f(SetupError::Full), Failure::NoResources);
-        assert_eq!(
-            f(SetupError::Rejected(RejectReason::NoResources)),
-            Failure::NoResources
-        );
-        assert_eq!(f(SetupError::Crossed), Failure::Rejected);
-    }
 
     /// A rate threshold is named only where a rate promotes: never on an offloaded UD path.
     #[test]

@@ -136,14 +136,18 @@ async fn run_async(
     metrics: Option<MetricsOut>,
 ) -> Result<(), DaemonError> {
     let options = cm.as_ref().ok().map(|c| c.options.clone());
-    let cm = match cm {
+    let (cm, down) = match cm {
         Ok(cm) => start_cm(iface, cm).await?,
-        Err(why) => CmState::UdOnly(why),
+        Err(why) => (CmState::UdOnly(why.clone()), Some(why)),
     };
-    // Connected mode that ran once is started again when it stops on an error.
-    let restart = options
-        .filter(|_| matches!(cm, CmState::Running(_)))
-        .map(|o| (o, Backoff::new(std::time::Instant::now())));
+    // Connected mode that ran once is started again when it stops on an error; one that
+    // waits for its port starts once the port is ready.
+    let now = std::time::Instant::now();
+    let restart = options.and_then(|o| match cm {
+        CmState::Running(_) => Some((o, Backoff::new(now))),
+        CmState::BackingOff => Some((o, Backoff::waiting_for_port(now))),
+        _ => None,
+    });
     let mut d = Daemon {
         iface,
         att,
@@ -158,6 +162,7 @@ async fn run_async(
     // Only now is this loop running: whoever waits for it (status: loop_pid) finds connected
     // mode set up, and the entries a killed predecessor left CM_UP already reset.
     d.att.state.loop_pid = Some(std::process::id());
+    d.att.state.cm_down = down;
     attach::write_state(&d.att.state)?;
     tracing::info!(
         "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
@@ -175,13 +180,19 @@ async fn run_async(
     d.shutdown(looped).await
 }
 
-/// Connected mode at the loop's start; UD only (said why) when it may fall back.
-async fn start_cm(iface: &str, cm: CmSetup) -> Result<CmState, DaemonError> {
+/// Connected mode at the loop's start; UD only (said why) when it may fall back; backing off
+/// (UD, and started once it is) while its port is not ready, whether it may fall back or not.
+async fn start_cm(iface: &str, cm: CmSetup) -> Result<(CmState, Option<String>), DaemonError> {
     match Manager::start(iface, &attach::pin_dir(iface), cm.options).await {
-        Ok(m) => Ok(CmState::Running(Box::new(m))),
+        Ok(m) => Ok((CmState::Running(Box::new(m)), None)),
+        Err(e) if e.is_the_ports() => {
+            tracing::warn!("connected mode on {iface} waits for its port, every peer on UD: {e}");
+            Ok((CmState::BackingOff, Some(format!("waits: {e}"))))
+        }
         Err(e) if !cm.required => {
             tracing::warn!("connected mode unavailable on {iface}, every peer on UD: {e}");
-            Ok(CmState::UdOnly(format!("connected mode unavailable: {e}")))
+            let why = format!("connected mode unavailable: {e}");
+            Ok((CmState::UdOnly(why.clone()), Some(why)))
         }
         Err(e) => Err(DaemonError::StartCm(e)),
     }
@@ -243,12 +254,22 @@ impl Daemon<'_> {
                 let Err(e) = m.handle(input) else {
                     return false;
                 };
-                tracing::error!("connected mode on {} stopped on an error: {e}", self.iface);
+                let the_ports = e.is_the_ports();
+                if the_ports {
+                    tracing::warn!(
+                        "{e}: connected mode on {} starts again on the port as it is now, \
+                         every peer on UD meanwhile",
+                        self.iface
+                    );
+                } else {
+                    tracing::error!("connected mode on {} stopped on an error: {e}", self.iface);
+                }
                 self.notify.status(&format!(
-                    "{}: connected mode stopped on an error, every peer on UD: {e}",
+                    "{}: connected mode stopped, every peer on UD: {e}",
                     self.iface
                 ));
-                let _ = self.step(CmEvent::Stopped, None).await;
+                self.say_down(Some(format!("stopped: {e}")));
+                let _ = self.step(CmEvent::Stopped { the_ports }, None).await;
                 true
             }
             CmNext::StartEnded(started) => {
@@ -270,7 +291,10 @@ impl Daemon<'_> {
         let iface = self.iface;
         match step {
             CmStep::Ignore => return Ok(()),
-            CmStep::StopAndBackOff => self.stop_and_back_off(now).await,
+            CmStep::StopAndBackOff => {
+                let the_ports = matches!(event, CmEvent::Stopped { the_ports: true });
+                self.stop_and_back_off(now, the_ports).await;
+            }
             CmStep::Postpone => {
                 if let Some((_, backoff)) = self.restart.as_mut()
                     && backoff.postpone(now)
@@ -290,15 +314,29 @@ impl Daemon<'_> {
                     self.notify
                         .status(&format!("{iface}: connected mode up again"));
                     self.cm = CmState::Running(Box::new(m));
+                    self.say_down(None);
                 }
             }
             CmStep::BackOffAgain => {
                 self.cm = CmState::BackingOff;
                 if let (Some(Err(e)), Some((_, backoff))) = (started, self.restart.as_mut()) {
-                    let wait = backoff.stopped(now);
-                    tracing::warn!(
-                        "connected mode on {iface} did not start again: {e}; next try in {wait:?}"
-                    );
+                    let wait = if e.is_the_ports() {
+                        backoff.port_wait(now)
+                    } else {
+                        backoff.stopped(now)
+                    };
+                    // A port that stays down is looked at every second: said at debug level
+                    // past the first time.
+                    let why = format!("{e}");
+                    if self.att.state.cm_down.as_deref() == Some(&*format!("waits: {why}")) {
+                        tracing::debug!("connected mode on {iface} still waits: {why}");
+                    } else {
+                        tracing::warn!(
+                            "connected mode on {iface} did not start again: {why}; next try in \
+                             {wait:?}"
+                        );
+                    }
+                    self.say_down(Some(format!("waits: {why}")));
                 }
             }
         }
@@ -306,14 +344,31 @@ impl Daemon<'_> {
         Ok(())
     }
 
-    /// The running connected mode stopped: shut down, what it leaves kept, the backoff set.
-    async fn stop_and_back_off(&mut self, now: std::time::Instant) {
+    /// Says in the attach state why connected mode does not run now (None: it runs), for
+    /// `status`; written only when it changes.
+    fn say_down(&mut self, why: Option<String>) {
+        if self.att.state.cm_down == why {
+            return;
+        }
+        self.att.state.cm_down = why;
+        if let Err(e) = attach::write_state(&self.att.state) {
+            tracing::warn!("{}: writing the attach state: {e}", self.iface);
+        }
+    }
+
+    /// The running connected mode stopped: shut down, what it leaves kept, the backoff set
+    /// (a short one when it was the port's).
+    async fn stop_and_back_off(&mut self, now: std::time::Instant, the_ports: bool) {
         let iface = self.iface;
         if let CmState::Running(m) = std::mem::replace(&mut self.cm, CmState::BackingOff) {
             let remains = m.remains();
             let _ = m.shutdown().await;
             if let Some((_, backoff)) = self.restart.as_mut() {
-                let wait = backoff.stopped(now);
+                let wait = if the_ports {
+                    backoff.port_wait(now)
+                } else {
+                    backoff.stopped(now)
+                };
                 backoff.remains = Some(remains);
                 tracing::info!("connected mode on {iface} starts again in {wait:?}");
             }
@@ -504,6 +559,7 @@ fn finish(iface: &str, detached: bool) -> Result<(), DaemonError> {
     }
     if let Some(mut s) = attach::read_state(iface) {
         s.loop_pid = None;
+        s.cm_down = None;
         attach::write_state(&s)?;
     }
     tracing::info!(

@@ -59,6 +59,13 @@ pub enum LinkError {
         pkey: u16,
         asked: u16,
     },
+    #[error(
+        "{iface} is in the kernel's connected mode with MTU {mtu}, and the policy says \
+         kernel-cm=off: the kernel would drop every packet above {UD_MTU_MAX} bytes to a peer \
+         we keep on UD. Leave kernel-cm out (it follows the kernel), or put {iface} in datagram \
+         mode (`echo datagram > /sys/class/net/{iface}/mode`)"
+    )]
+    KernelCm { iface: String, mtu: u32 },
 }
 
 /// `iface`'s place on the fabric, read under `sys` (`/sys`); None where it is no IPoIB
@@ -116,6 +123,93 @@ impl IbLink {
             });
         }
         Ok(())
+    }
+}
+
+/// The kernel's own IPoIB mode of an interface (`/sys/class/net/IFACE/mode`) and its MTU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelMode {
+    /// "connected": the kernel's connected mode (mlx4; mlx5 with `ipoib_enhanced=0`).
+    pub connected: bool,
+    pub mtu: u32,
+}
+
+/// The largest MTU the kernel's datagram mode carries (a 4096-byte IB MTU less the 4-byte
+/// IPoIB header): past it, only the kernel's connected mode moves a packet.
+pub const UD_MTU_MAX: u32 = 4092;
+
+/// `iface`'s kernel mode and MTU, read under `sys`; None where the interface has no `mode`
+/// (no IPoIB interface).
+pub fn kernel_mode(sys: &Path, iface: &str) -> Result<Option<KernelMode>, LinkError> {
+    let dir = sys.join("class/net").join(iface);
+    let mode_path = dir.join("mode");
+    let Some(mode) = read_opt(&mode_path)? else {
+        return Ok(None);
+    };
+    let connected = match mode.trim() {
+        "connected" => true,
+        "datagram" => false,
+        _ => return Err(bad(&mode_path, &mode, "`datagram` or `connected`")),
+    };
+    let mtu_path = dir.join("mtu");
+    let text = read_opt(&mtu_path)?.unwrap_or_default();
+    let mtu = text
+        .trim()
+        .parse()
+        .map_err(|_| bad(&mtu_path, &text, "an MTU (decimal)"))?;
+    Ok(Some(KernelMode { connected, mtu }))
+}
+
+/// What the policy's `kernel-cm` is to be on an interface in `mode`, given what the operator
+/// `asked` (None: nothing said), and what that means, for the log and status.
+///
+/// `kernel-cm=off` clears the connected-mode flag in the addresses the fast path sends to:
+/// the kernel then sends every packet for those peers over UD, and drops one above the UD MTU
+/// ("packet len too long", an ICMP too-big back). So on an interface in the kernel's
+/// connected mode with an MTU above [`UD_MTU_MAX`], `off` would cut every big packet to a
+/// peer we keep on UD: unsaid, `kernel-cm` follows the kernel's mode (the kernel's
+/// connections carry them, as before the attach); said `off`, the attach is refused.
+pub fn kernel_cm_for(
+    iface: &str,
+    mode: KernelMode,
+    asked: Option<bool>,
+) -> Result<(bool, String), LinkError> {
+    let KernelMode { connected, mtu } = mode;
+    match (connected, asked) {
+        (false, Some(true)) => Ok((
+            true,
+            format!(
+                "datagram, MTU {mtu}: kernel-cm=on changes nothing (the kernel has no \
+                 connections to lend)"
+            ),
+        )),
+        (false, _) => Ok((
+            false,
+            format!("datagram, MTU {mtu}: every peer we keep on UD rides the kernel's UD"),
+        )),
+        (true, None | Some(true)) => Ok((
+            true,
+            format!(
+                "connected, MTU {mtu}: kernel-cm=on{}, so peers we keep on UD ride the \
+                 kernel's own connections as before",
+                if asked.is_none() {
+                    " (follows the kernel)"
+                } else {
+                    ""
+                }
+            ),
+        )),
+        (true, Some(false)) if mtu > UD_MTU_MAX => Err(LinkError::KernelCm {
+            iface: iface.into(),
+            mtu,
+        }),
+        (true, Some(false)) => Ok((
+            false,
+            format!(
+                "connected, MTU {mtu}: kernel-cm=off as asked (the MTU fits UD, so nothing is \
+                 cut)"
+            ),
+        )),
     }
 }
 
@@ -264,6 +358,83 @@ mod tests {
             self.write(&format!("class/net/{name}/dev_port"), "0\n");
             name
         }
+    }
+
+    #[test]
+    fn the_kernels_mode_is_read_as_the_driver_writes_it() {
+        let fs = Sysfs::new();
+        fs.port_iface("ib0", "0000:03:00.0", "mlx4_0", 1);
+        fs.write("class/net/ib0/mode", "connected\n");
+        fs.write("class/net/ib0/mtu", "65520\n");
+        assert_eq!(
+            kernel_mode(fs.root(), "ib0").unwrap(),
+            Some(KernelMode {
+                connected: true,
+                mtu: 65520
+            })
+        );
+        let child = fs.child("ib0", 0x8001);
+        fs.write(&format!("class/net/{child}/mode"), "datagram\n");
+        fs.write(&format!("class/net/{child}/mtu"), "2044\n");
+        assert_eq!(
+            kernel_mode(fs.root(), &child).unwrap(),
+            Some(KernelMode {
+                connected: false,
+                mtu: 2044
+            })
+        );
+        // Not IPoIB: no mode file.
+        fs.write("class/net/eth0/mtu", "1500\n");
+        assert_eq!(kernel_mode(fs.root(), "eth0").unwrap(), None);
+        // A mode or MTU the driver never writes.
+        fs.write("class/net/ib0/mode", "hybrid\n");
+        let e = kernel_mode(fs.root(), "ib0").unwrap_err().to_string();
+        assert!(
+            e.contains("`hybrid` is not `datagram` or `connected`"),
+            "{e}"
+        );
+        fs.write("class/net/ib0/mode", "connected\n");
+        fs.write("class/net/ib0/mtu", "big\n");
+        let e = kernel_mode(fs.root(), "ib0").unwrap_err().to_string();
+        assert!(e.contains("`big` is not an MTU"), "{e}");
+    }
+
+    #[test]
+    fn kernel_cm_follows_the_kernels_mode_and_off_is_refused_where_it_cuts() {
+        let cm = |mtu| KernelMode {
+            connected: true,
+            mtu,
+        };
+        let ud = |mtu| KernelMode {
+            connected: false,
+            mtu,
+        };
+        // Unsaid: the kernel's mode.
+        assert!(kernel_cm_for("ib0", cm(65520), None).unwrap().0);
+        assert!(!kernel_cm_for("ib0", ud(4092), None).unwrap().0);
+        // Said on: on, either way.
+        assert!(kernel_cm_for("ib0", cm(65520), Some(true)).unwrap().0);
+        let (on, why) = kernel_cm_for("ib0", ud(2044), Some(true)).unwrap();
+        assert!(on && why.contains("changes nothing"), "{why}");
+        // Said off: refused where the MTU is past UD's, kept where it fits.
+        for mtu in [UD_MTU_MAX + 1, 65520] {
+            let e = kernel_cm_for("ib0", cm(mtu), Some(false)).unwrap_err();
+            assert!(
+                matches!(e, LinkError::KernelCm { mtu: m, .. } if m == mtu),
+                "{e}"
+            );
+            assert!(
+                e.to_string()
+                    .contains("echo datagram > /sys/class/net/ib0/mode")
+            );
+        }
+        assert!(!kernel_cm_for("ib0", cm(UD_MTU_MAX), Some(false)).unwrap().0);
+        assert!(!kernel_cm_for("ib0", ud(2044), Some(false)).unwrap().0);
+        let (_, why) = kernel_cm_for("ib0", cm(65520), None).unwrap();
+        assert!(
+            why.contains("connected, MTU 65520") && why.contains("follows"),
+            "{why}"
+        );
     }
 
     #[test]

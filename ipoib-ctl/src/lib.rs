@@ -22,6 +22,7 @@ pub mod ledger;
 pub mod maps;
 pub mod metrics;
 pub mod netdev;
+pub mod path;
 pub mod plan;
 pub mod policy;
 pub mod promotion;

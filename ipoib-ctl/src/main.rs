@@ -11,7 +11,7 @@ use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
 use ipoib_ctl::{
     attach::{self, AttachError},
-    config::{CmArgs, cm_options, cm_pkey, cm_port, ib_link},
+    config::{self, CmArgs, cm_options, cm_pkey, cm_port, ib_link},
     connmgr, daemon,
     exit::{self, EXIT_CODES},
     netdev::Netdev,
@@ -229,7 +229,12 @@ fn control_loop(
             cm_pkey(cm_args, link.as_ref()),
         )?;
     }
-    let att = attach::attach(dev, change)?;
+    let (change, kernel_mode) = config::with_kernel_mode(iface, dev, change)?;
+    let mut att = attach::attach(dev, change.as_ref())?;
+    if kernel_mode.is_some() {
+        att.state.kernel_mode = kernel_mode;
+        attach::write_state(&att.state)?;
+    }
     // Connected mode: explicit (--cm-device) must work; found by itself, it may fail to UD.
     let cm = cm_options(iface, dev, cm_args, link.as_ref(), &att)?
         .map(|options| daemon::CmSetup {
@@ -318,6 +323,14 @@ fn cmd_set_policy(iface: &str, settings: &[String], file: Option<&Path>) -> Resu
     };
     if let Some(b) = change.memory_budget {
         check_against_node(b)?;
+    }
+    // kernel-cm=off on an interface in the kernel's connected mode with a big MTU: refused,
+    // as at attach.
+    if change.kernel_cm == Some(false)
+        && let Ok(Some(mode)) = ipoib_ctl::iblink::kernel_mode(Path::new("/sys"), iface)
+    {
+        ipoib_ctl::iblink::kernel_cm_for(iface, mode, Some(false))
+            .map_err(config::ConfigError::from)?;
     }
     let mut maps = attach::open(iface)?;
     let mut state = attach::read_state(iface).ok_or_else(|| AttachError::NotAttached {

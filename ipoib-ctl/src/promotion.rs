@@ -29,6 +29,9 @@ use std::{collections::BTreeMap, fmt, time::Duration};
 
 use crate::policy::Mode;
 
+mod failure;
+pub use failure::Failure;
+
 /// The knobs, with defaults that need no configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -80,59 +83,6 @@ pub struct Sample {
     pub tx_bytes: u64,
     /// Bytes moved over the peer's connection, both directions.
     pub cm_bytes: u64,
-}
-
-/// Why a connection failed or ended badly; in JSON by its key (`not_running`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Failure {
-    Rejected,
-    Timeout,
-    QpError,
-    NoResources,
-    /// Nothing of ours answers at the peer: its handshake port refused the TCP connection or
-    /// spoke another protocol (a node without ipoib-hybrid, say during a rolling upgrade).
-    NotRunning,
-    /// The handshake's TCP connection failed otherwise (unreachable, reset).
-    Network,
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Failure::Rejected => "the peer refused",
-            Failure::Timeout => "a timeout",
-            Failure::QpError => "a QP error",
-            Failure::NoResources => "the peer had no room",
-            Failure::NotRunning => {
-                "the peer runs no ipoib-hybrid (nothing of ours answers its handshake port)"
-            }
-            Failure::Network => "a network error on the handshake",
-        })
-    }
-}
-
-impl Failure {
-    pub const ALL: [Failure; 6] = [
-        Failure::Rejected,
-        Failure::Timeout,
-        Failure::QpError,
-        Failure::NoResources,
-        Failure::NotRunning,
-        Failure::Network,
-    ];
-
-    /// Its key, as JSON and the metrics' `reason` label name it.
-    pub fn key(self) -> &'static str {
-        match self {
-            Failure::Rejected => "rejected",
-            Failure::Timeout => "timeout",
-            Failure::QpError => "qp_error",
-            Failure::NoResources => "no_resources",
-            Failure::NotRunning => "not_running",
-            Failure::Network => "network",
-        }
-    }
 }
 
 /// Why we take a connection down.

@@ -267,10 +267,7 @@ impl Rtnl {
         while let Some(m) = responses.next().await {
             match m.payload {
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n)) => {
-                    return Ok(n.attributes.into_iter().find_map(|a| match a {
-                        NeighbourAttribute::LinkLayerAddress(l) if !l.is_empty() => Some(l),
-                        _ => None,
-                    }));
+                    return Ok(link_layer_address(n));
                 }
                 NetlinkPayload::Error(e) if e.raw_code() == -libc::ENOENT => return Ok(None),
                 NetlinkPayload::Error(e) if e.code.is_some() => {
@@ -284,6 +281,14 @@ impl Rtnl {
         }
         Ok(None)
     }
+}
+
+/// The link-layer address of a neighbour entry (20 bytes on IPoIB), if it has one.
+fn link_layer_address(n: NeighbourMessage) -> Option<Vec<u8>> {
+    n.attributes.into_iter().find_map(|a| match a {
+        NeighbourAttribute::LinkLayerAddress(l) if !l.is_empty() => Some(l),
+        _ => None,
+    })
 }
 
 /// Runs `f` with an [`Rtnl`] on a runtime of its own, for callers that have none (attach's
@@ -377,6 +382,61 @@ impl AddressMirror {
 
 #[cfg(test)]
 mod tests {
+    /// An RTM_NEWNEIGH as the kernel sends it for an IPoIB neighbour (ndmsg, NDA_DST,
+    /// NDA_LLADDR of 20 bytes, NDA_CACHEINFO), built byte by byte: its address comes out whole
+    /// and parses to the peer's GID and UD QPN, the flags left out. The address is a
+    /// real ConnectX-3 port's in connected mode (RC flag 0x80; docs/testing.md).
+    #[test]
+    fn an_ipoib_neighbour_message_gives_its_20_byte_address() {
+        const LLADDR: [u8; 20] = [
+            0x80, 0x00, 0x0a, 0x80, 0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x00, 0x02, 0xc9, 0x03, 0x00,
+            0xa0, 0x00, 0x91,
+        ];
+        let mut body = vec![
+            libc::AF_INET as u8,
+            0,
+            0,
+            0, // family, pad
+            7,
+            0,
+            0,
+            0, // ifindex 7 (host order: the test runs little-endian)
+            0x02,
+            0x00, // NUD_REACHABLE
+            0,
+            1, // flags, type (RTN_UNICAST)
+        ];
+        let attr = |t: u16, v: &[u8]| {
+            let mut a = ((4 + v.len()) as u16).to_ne_bytes().to_vec();
+            a.extend(t.to_ne_bytes());
+            a.extend(v);
+            a.resize(a.len().next_multiple_of(4), 0);
+            a
+        };
+        body.extend(attr(1, &[10, 0, 0, 2]));
+        body.extend(attr(2, &LLADDR));
+        body.extend(attr(3, &[0; 16]));
+        let mut msg = ((16 + body.len()) as u32).to_ne_bytes().to_vec();
+        msg.extend(28u16.to_ne_bytes()); // RTM_NEWNEIGH
+        msg.extend(0u16.to_ne_bytes());
+        msg.extend([0; 8]);
+        msg.extend(body);
+        let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&msg).unwrap();
+        let NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n)) = m.payload else {
+            panic!("not a neighbour: {m:?}")
+        };
+        assert_eq!(n.header.ifindex, 7);
+        let l = link_layer_address(n).expect("its link-layer address");
+        assert_eq!(l, LLADDR);
+        let hw = crate::cm::ipoib_hwaddr(&l).unwrap();
+        assert_eq!(hw.ud_qpn, 0xa80);
+        assert_eq!(hw.gid[..8], [0xfe, 0x80, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            hw.gid[8..],
+            [0x00, 0x02, 0xc9, 0x03, 0x00, 0xa0, 0x00, 0x91]
+        );
+    }
+
     use super::*;
 
     fn rt() -> tokio::runtime::Runtime {

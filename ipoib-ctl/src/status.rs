@@ -174,6 +174,13 @@ pub struct Status {
     pub peers: Vec<PeerView>,
     /// Connected mode, as its control loop last wrote it (None: not running).
     pub cm: Option<cm::CmStatus>,
+    /// Why connected mode does not run, as a running control loop last said (for one that
+    /// waits for its port, say: it starts once the port is ready).
+    #[serde(default)]
+    pub cm_down: Option<String>,
+    /// The kernel's own IPoIB mode at attach, and what it means for us (None: not IPoIB).
+    #[serde(default)]
+    pub kernel_mode: Option<String>,
     /// Where the interface is, seen from here (None: no state file to tell).
     #[serde(default)]
     pub presence: Option<attach::Presence>,
@@ -325,6 +332,10 @@ pub fn gather_from(
         reasons,
         peer_cache: maps::peer_cache_pinned(&attach::pin_dir(iface).join(attach::PROG_EGRESS))?,
         peers: peers(maps)?,
+        cm_down: state
+            .and_then(|s| s.cm_down.clone())
+            .filter(|_| loop_running && cm.is_none()),
+        kernel_mode: state.and_then(|s| s.kernel_mode.clone()),
         cm,
         presence: state.map(attach::presence),
     })
@@ -435,6 +446,9 @@ pub fn render(s: &Status) -> String {
         _ => {}
     }
     let _ = writeln!(out, "  policy: {}", s.policy.render());
+    if let Some(k) = &s.kernel_mode {
+        let _ = writeln!(out, "  the kernel's IPoIB mode: {k}");
+    }
     let _ = writeln!(
         out,
         "  control loop: {}; heartbeat {}{}",
@@ -455,10 +469,20 @@ pub fn render(s: &Status) -> String {
     render_peer_cache(&mut out, s.peer_cache.as_ref());
     out.push_str(&render_peers(&s.peers));
     match &s.cm {
-        None => out.push_str("  connected mode: not running (every peer on UD)\n"),
+        None => render_cm_down(&mut out, s.cm_down.as_deref()),
         Some(cm) => render_cm(&mut out, cm),
     }
     out
+}
+
+fn render_cm_down(out: &mut String, why: Option<&str>) {
+    let _ = match why {
+        Some(why) => writeln!(
+            out,
+            "  connected mode: not running, {why} (every peer on UD)"
+        ),
+        None => writeln!(out, "  connected mode: not running (every peer on UD)"),
+    };
 }
 
 fn render_reasons(out: &mut String, s: &Status) {
@@ -615,6 +639,8 @@ mod tests {
             peer_cache: None,
             peers: Vec::new(),
             cm: None,
+            cm_down: None,
+            kernel_mode: None,
             presence: Some(attach::Presence::Here),
         }
     }
@@ -780,6 +806,19 @@ mod tests {
         );
         s.loop_pid = None;
         assert!(render(&s).contains("control loop: not running;"));
+        s.cm_down = Some(
+            "waits: rxe0 port 1 is not ready for connected mode: the port is DOWN, \
+                          not ACTIVE"
+                .into(),
+        );
+        assert!(
+            render(&s).contains(
+                "  connected mode: not running, waits: rxe0 port 1 is not ready for connected \
+                 mode: the port is DOWN, not ACTIVE (every peer on UD)\n"
+            ),
+            "{}",
+            render(&s)
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ use ipoib_ctl::{
         Cm, Connection, RejectReason, SetupConfig, SetupError,
         wire::{Hello, MSG_LEN, Msg},
     },
+    path::LinkLayer,
     verbs::{
         AsyncEvent, RcEndpoint, RcTiming, ReceiveModel, SEND_WR_ID, SendRequest, rnr_timer_us,
     },
@@ -139,6 +140,7 @@ fn req_to(peer: &Peer) -> [u8; MSG_LEN] {
             lid: 0,
             gid: peer.hw.gid,
             mtu: 3,
+            link_layer: LinkLayer::Ethernet,
         },
     })
     .encode()
@@ -184,7 +186,8 @@ fn malformed_requests_are_rejected_and_cost_nothing() {
         ("PSN high byte", 20, 1, RejectReason::Malformed),
         ("multicast LID", 24, 0xc0, RejectReason::Malformed),
         ("port MTU", 26, 9, RejectReason::Malformed),
-        ("reserved after MTU", 27, 1, RejectReason::Malformed),
+        ("link layer", 27, 3, RejectReason::Malformed),
+        ("InfiniBand to a RoCE port", 27, 1, RejectReason::NoPath),
         ("multicast GID", 28, 0xff, RejectReason::Malformed),
         ("trailing reserved", 45, 1, RejectReason::Malformed),
     ];
@@ -201,6 +204,29 @@ fn malformed_requests_are_rejected_and_cost_nothing() {
         let line = peer.expect("failed", Duration::from_secs(5));
         eprintln!("{what}: {line}");
     }
+    // A REQ of version 1 (no link layer): REJ version, written in version 1 for it to read.
+    let mut v1 = good;
+    (v1[4], v1[27]) = (1, 0);
+    let mut s = TcpStream::connect(peer.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&v1).unwrap();
+    let mut rej = [0u8; MSG_LEN];
+    s.read_exact(&mut rej).unwrap();
+    assert_eq!(
+        (&rej[0..4], rej[4], rej[5], rej[6]),
+        (&b"IPHC"[..], 1, 3, RejectReason::Version as u8),
+        "{rej:?}"
+    );
+    rej[4] = ipoib_ctl::cm::wire::VERSION;
+    assert!(matches!(
+        Msg::decode(&rej),
+        Ok(Msg::Rej {
+            reason: RejectReason::Version,
+            ud_qpn: 0x48,
+            ..
+        })
+    ));
+    peer.expect("failed", Duration::from_secs(5));
     // An RTU where a REQ belongs.
     let rtu = Msg::Rtu {
         ud_qpn: 0x77,
@@ -432,6 +458,7 @@ fn setups_past_the_cap_are_refused_busy() {
                 lid: 0,
                 gid: cmb.hwaddr().gid,
                 mtu: 3,
+                link_layer: LinkLayer::Ethernet,
             },
         });
         holder.write_all(&req.encode()).await.unwrap();

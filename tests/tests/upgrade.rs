@@ -128,6 +128,8 @@ fn write_layout_1_state(a: &Node, egress: EgressAttach) {
         loop_pid: None,
         netns: None,
         layout: 1,
+        cm_down: None,
+        kernel_mode: None,
     };
     let mut v = serde_json::to_value(&state).unwrap();
     v.as_object_mut().unwrap().remove("layout");

@@ -82,6 +82,8 @@ pub enum SetupError {
     Busy,
     #[error("as many connections as the plan allows")]
     Full,
+    #[error("no path to the peer's port: {0}")]
+    NoPath(#[from] crate::path::NoPath),
 }
 
 impl SetupError {
@@ -367,7 +369,11 @@ async fn read_msg(s: &mut TcpStream, t: Duration, what: &'static str) -> Result<
 }
 
 async fn write_msg(s: &mut TcpStream, m: Msg, t: Duration) -> Result<(), SetupError> {
-    match timeout(t, s.write_all(&m.encode())).await {
+    write_raw(s, m.encode(), t).await
+}
+
+async fn write_raw(s: &mut TcpStream, b: [u8; MSG_LEN], t: Duration) -> Result<(), SetupError> {
+    match timeout(t, s.write_all(&b)).await {
         Err(_) => Err(SetupError::Timeout("sending")),
         Ok(r) => Ok(r?),
     }
@@ -516,7 +522,8 @@ impl Cm {
                 got: rep.hwaddr(),
             });
         }
-        qp.connect(&rep.rc, self.cfg.timing)?;
+        let av = self.res.port.path_to(&rep.rc)?;
+        qp.connect(&rep.rc, &av, self.cfg.timing)?;
         write_msg(
             &mut s,
             Msg::Rtu {
@@ -568,7 +575,12 @@ impl Cm {
                 Err(SetupError::Unexpected(m.kind()))
             }
             Err(SetupError::Malformed(e)) => {
-                write_msg(s, self.reject(e.reason()), t).await?;
+                // An asker of another version reads the REJ in its own where it can.
+                let version = match e {
+                    WireError::Version(v) => v,
+                    _ => super::wire::VERSION,
+                };
+                write_raw(s, self.reject(e.reason()).encode_as(version), t).await?;
                 Err(e.into())
             }
             Err(e) => Err(e),
@@ -595,6 +607,13 @@ impl Cm {
                 return Err(e);
             }
         };
+        let av = match self.res.port.path_to(&req.rc) {
+            Ok(r) => r,
+            Err(e) => {
+                write_msg(&mut s, self.reject(RejectReason::NoPath), t).await?;
+                return Err(e.into());
+            }
+        };
         let qp = match self.new_qp() {
             Ok(qp) => qp,
             Err(e) => {
@@ -602,7 +621,7 @@ impl Cm {
                 return Err(e);
             }
         };
-        qp.connect(&req.rc, self.cfg.timing)?;
+        qp.connect(&req.rc, &av, self.cfg.timing)?;
         write_msg(&mut s, Msg::Rep(self.hello(&qp)), t).await?;
         match read_msg(&mut s, t, "RTU").await? {
             Msg::Rtu { ud_qpn, .. } if ud_qpn == req.ud_qpn => {}

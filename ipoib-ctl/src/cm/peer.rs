@@ -72,6 +72,62 @@ mod tests {
         assert!(ipoib_hwaddr(&[0u8; 21]).is_none());
     }
 
+    /// Addresses of real ports, as tools printed them on real hosts (docs/testing.md says
+    /// where each is from): a ConnectX-3 (mlx4) in connected mode (flags 0x80: RC), and two
+    /// mlx5 ports in Enhanced IPoIB (flags 0: datagram only). The flags never enter the address a setup reaches and checks the REP
+    /// against: a peer whose REP names the same GID and QPN is the one asked, flags or not.
+    #[test]
+    fn real_hardware_addresses_parse_and_their_flags_stay_out() {
+        let parse = |s: &str| -> Vec<u8> {
+            s.split(':')
+                .map(|h| u8::from_str_radix(h, 16).unwrap())
+                .collect()
+        };
+        let cases = [
+            (
+                "80:00:0a:80:fe:80:00:00:00:00:00:00:00:02:c9:03:00:a0:00:91",
+                0xa80,
+                "0002c90300a00091",
+            ),
+            (
+                "00:00:0a:2d:fe:80:00:00:00:00:00:00:ec:0d:9a:03:00:44:36:8d",
+                0xa2d,
+                "ec0d9a030044368d",
+            ),
+            (
+                "00:00:06:2f:fe:80:00:00:00:00:00:00:e4:1d:2d:03:00:e7:0f:f6",
+                0x62f,
+                "e41d2d0300e70ff6",
+            ),
+        ];
+        for (text, qpn, guid) in cases {
+            let b = parse(text);
+            let hw = ipoib_hwaddr(&b).unwrap_or_else(|| panic!("{text}"));
+            assert_eq!(hw.ud_qpn, qpn, "{text}");
+            assert_eq!(hw.gid[..8], [0xfe, 0x80, 0, 0, 0, 0, 0, 0], "{text}");
+            let g: String = hw.gid[8..].iter().map(|x| format!("{x:02x}")).collect();
+            assert_eq!(g, guid, "{text}");
+            // The same port with its flags flipped is the same peer.
+            let mut flipped = b.clone();
+            flipped[0] ^= 0x80;
+            assert_eq!(ipoib_hwaddr(&flipped), Some(hw), "{text}");
+            // A REP from it carries GID and UD QPN only: equal to what the neighbour said.
+            let rep = super::super::wire::Hello {
+                ud_qpn: qpn,
+                recv_mtu: 65524,
+                rc: crate::verbs::RcEndpoint {
+                    qpn: 0x1234,
+                    psn: 1,
+                    lid: 7,
+                    gid: hw.gid,
+                    mtu: 5,
+                    link_layer: crate::path::LinkLayer::InfiniBand,
+                },
+            };
+            assert_eq!(rep.hwaddr(), hw, "{text}");
+        }
+    }
+
     #[test]
     fn lab_qpns_follow_the_last_byte() {
         assert_eq!(lab_ud_qpn("10.77.0.2".parse().unwrap()), 0x102);

@@ -2,23 +2,30 @@
 //! IP path (`ctl-port`, 4755 by default). Pure: encode, decode and validate, no I/O.
 //!
 //! ```text
-//!  0  magic "IPHC"          4  version (1)   5  kind   6  reject reason (REJ only)  7  0
+//!  0  magic "IPHC"          4  version (2)   5  kind   6  reject reason (REJ only)  7  0
 //!  8  UD QPN (be32, high byte 0)       } RFC 4755 private data: every message, REJ too
 //! 12  receive MTU (be32)               }
 //! 16  RC QPN (be32, high byte 0)   20  first PSN (be32, 24 bits)      } REQ and REP only;
-//! 24  LID (be16)   26  port MTU (ibv_mtu 1..=5)   27  0               } zero in REJ, RTU
+//! 24  LID (be16)   26  port MTU (ibv_mtu 1..=5)   27  link layer      } zero in REJ, RTU
 //! 28  GID (16 bytes)                                                  }
 //! 44  reserved, 0 (be32)
 //! ```
+//!
+//! Version 2 added the link layer (1 InfiniBand, 2 Ethernet), byte 27, which version 1 kept
+//! zero: a LID of 0 no longer has to stand for RoCE. A message of another version is
+//! refused with REJ `Version`, written in the asker's version where it is 1 (a REJ's layout
+//! is the same in both), so an older node says why too.
 //!
 //! A REQ opens the exchange, the passive side answers REP (its QP already in RTS) or REJ, and
 //! the active side confirms with RTU once its QP is in RTS. Every field is checked before
 //! anything is allocated for the message; a violation names the field.
 
-use crate::verbs::RcEndpoint;
+use crate::{path::LinkLayer, verbs::RcEndpoint};
 
 pub const MAGIC: [u8; 4] = *b"IPHC";
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
+/// The versions whose REJ we can write (the same layout): an older asker reads ours.
+pub const REJ_VERSIONS: [u8; 2] = [1, 2];
 pub const MSG_LEN: usize = 48;
 /// The largest receive MTU a CM endpoint may announce: Linux' CM receive buffer
 /// (IPOIB_CM_BUF_SIZE = 65520-byte CM MTU + 4-byte IPoIB header).
@@ -53,6 +60,8 @@ pub enum RejectReason {
     NoResources = 5,
     /// Policy keeps this peer on UD.
     Policy = 6,
+    /// No path between the two ports (link layers that differ, a port without a LID).
+    NoPath = 7,
 }
 
 impl RejectReason {
@@ -64,6 +73,7 @@ impl RejectReason {
             4 => Self::Crossing,
             5 => Self::NoResources,
             6 => Self::Policy,
+            7 => Self::NoPath,
             _ => return None,
         })
     }
@@ -148,6 +158,8 @@ pub enum WireError {
     PortMtu(u8),
     #[error("GID is zero or multicast")]
     Gid,
+    #[error("link layer {0} is neither InfiniBand (1) nor Ethernet (2)")]
+    LinkLayer(u8),
     #[error("a {0:?} carries RC endpoint fields, which must be zero")]
     Extra(Kind),
 }
@@ -187,6 +199,7 @@ impl Msg {
                 b[20..24].copy_from_slice(&h.rc.psn.to_be_bytes());
                 b[24..26].copy_from_slice(&h.rc.lid.to_be_bytes());
                 b[26] = h.rc.mtu as u8;
+                b[27] = h.rc.link_layer.code();
                 b[28..44].copy_from_slice(&h.rc.gid);
                 (h.ud_qpn, h.recv_mtu)
             }
@@ -202,6 +215,16 @@ impl Msg {
         };
         b[8..12].copy_from_slice(&ud_qpn.to_be_bytes());
         b[12..16].copy_from_slice(&recv_mtu.to_be_bytes());
+        b
+    }
+
+    /// Encoded as protocol `version` speaks it: only a REJ, whose layout every version in
+    /// [`REJ_VERSIONS`] shares, is written in another version than ours.
+    pub fn encode_as(&self, version: u8) -> [u8; MSG_LEN] {
+        let mut b = self.encode();
+        if matches!(self, Msg::Rej { .. }) && REJ_VERSIONS.contains(&version) {
+            b[4] = version;
+        }
         b
     }
 
@@ -267,13 +290,16 @@ fn decode_header(b: &[u8; MSG_LEN]) -> Result<Kind, WireError> {
         4 => Kind::Rtu,
         k => return Err(WireError::Kind(k)),
     };
-    for o in [7, 27, 44, 45, 46, 47] {
+    for o in [7, 44, 45, 46, 47] {
         if b[o] != 0 {
             return Err(WireError::Reserved(o));
         }
     }
     if kind != Kind::Rej && b[6] != 0 {
         return Err(WireError::Reserved(6));
+    }
+    if matches!(kind, Kind::Rej | Kind::Rtu) && b[27] != 0 {
+        return Err(WireError::Extra(kind));
     }
     Ok(kind)
 }
@@ -297,6 +323,7 @@ fn decode_endpoint(b: &[u8; MSG_LEN]) -> Result<RcEndpoint, WireError> {
     if !(1..=5).contains(&mtu) {
         return Err(WireError::PortMtu(mtu));
     }
+    let link_layer = LinkLayer::from_code(b[27]).ok_or(WireError::LinkLayer(b[27]))?;
     let mut gid = [0u8; 16];
     gid.copy_from_slice(&b[28..44]);
     if gid == [0; 16] || gid[0] == 0xff {
@@ -308,6 +335,7 @@ fn decode_endpoint(b: &[u8; MSG_LEN]) -> Result<RcEndpoint, WireError> {
         lid,
         gid,
         mtu: mtu as u32,
+        link_layer,
     })
 }
 
@@ -332,6 +360,7 @@ mod tests {
                     0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
                 ],
                 mtu: 3,
+                link_layer: LinkLayer::Ethernet,
             },
         }
     }
@@ -360,13 +389,14 @@ mod tests {
     fn layout_is_the_documented_one() {
         let b = Msg::Req(hello()).encode();
         assert_eq!(&b[0..4], b"IPHC");
-        assert_eq!(b[4], 1);
+        assert_eq!(b[4], 2);
         assert_eq!(b[5], 1);
         assert_eq!(&b[8..12], &[0, 0, 0, 0x48]);
         assert_eq!(&b[12..16], &65524u32.to_be_bytes());
         assert_eq!(&b[16..20], &[0, 0, 0x12, 0x34]);
         assert_eq!(&b[20..24], &[0, 0xab, 0xcd, 0xef]);
         assert_eq!(b[26], 3);
+        assert_eq!(b[27], 2);
         assert_eq!(b[28], 0xfe);
         assert_eq!(b[43], 0x55);
     }
@@ -378,12 +408,14 @@ mod tests {
         type Breaker = Box<dyn Fn(&mut [u8; MSG_LEN])>;
         let cases: Vec<(Breaker, WireError)> = vec![
             (Box::new(|b| b[0] = b'X'), WireError::Magic(*b"XPHC")),
-            (Box::new(|b| b[4] = 2), WireError::Version(2)),
+            (Box::new(|b| b[4] = 1), WireError::Version(1)),
+            (Box::new(|b| b[4] = 3), WireError::Version(3)),
             (Box::new(|b| b[5] = 0), WireError::Kind(0)),
             (Box::new(|b| b[5] = 9), WireError::Kind(9)),
             (Box::new(|b| b[6] = 1), WireError::Reserved(6)),
             (Box::new(|b| b[7] = 1), WireError::Reserved(7)),
-            (Box::new(|b| b[27] = 1), WireError::Reserved(27)),
+            (Box::new(|b| b[27] = 0), WireError::LinkLayer(0)),
+            (Box::new(|b| b[27] = 3), WireError::LinkLayer(3)),
             (Box::new(|b| b[47] = 1), WireError::Reserved(47)),
             (Box::new(|b| b[8] = 1), WireError::UdQpn(0x0100_0048)),
             (
@@ -446,6 +478,60 @@ mod tests {
         .encode();
         b[16] = 1;
         assert_eq!(Msg::decode(&b), Err(WireError::Extra(Kind::Rtu)));
+        for kind in [Kind::Rej, Kind::Rtu] {
+            let mut b = if kind == Kind::Rej {
+                rej.encode()
+            } else {
+                Msg::Rtu {
+                    ud_qpn: 0x48,
+                    recv_mtu: 65524,
+                }
+                .encode()
+            };
+            b[27] = 1;
+            assert_eq!(Msg::decode(&b), Err(WireError::Extra(kind)));
+        }
+    }
+
+    /// An InfiniBand endpoint (a LID, the link layer 1) round-trips, and a version 1 REQ
+    /// (byte 27 zero, as version 1 wrote it) is told apart by its version before any field.
+    #[test]
+    fn the_link_layer_is_on_the_wire_and_version_1_is_told_apart() {
+        let mut h = hello();
+        h.rc.link_layer = LinkLayer::InfiniBand;
+        h.rc.lid = 7;
+        let b = Msg::Req(h).encode();
+        assert_eq!((b[24], b[25], b[27]), (0, 7, 1));
+        assert_eq!(Msg::decode(&b), Ok(Msg::Req(h)));
+        let mut v1 = b;
+        v1[4] = 1;
+        v1[27] = 0;
+        assert_eq!(Msg::decode(&v1), Err(WireError::Version(1)));
+        assert_eq!(WireError::Version(1).reason(), RejectReason::Version);
+    }
+
+    /// A REJ is written in an older asker's version (its layout is the same), nothing else is,
+    /// and no version is made up.
+    #[test]
+    fn a_rej_speaks_the_askers_version() {
+        let rej = Msg::Rej {
+            ud_qpn: 0x48,
+            recv_mtu: 65524,
+            reason: RejectReason::Version,
+        };
+        let b = rej.encode_as(1);
+        assert_eq!(b[4], 1);
+        assert_eq!(&b[5..], &rej.encode()[5..]);
+        assert_eq!(rej.encode_as(2), rej.encode());
+        for v in [0, 3, 255] {
+            assert_eq!(rej.encode_as(v)[4], VERSION, "{v}");
+        }
+        assert_eq!(Msg::Req(hello()).encode_as(1)[4], VERSION);
+        let rtu = Msg::Rtu {
+            ud_qpn: 0x48,
+            recv_mtu: 65524,
+        };
+        assert_eq!(rtu.encode_as(1)[4], VERSION);
     }
 
     #[test]
@@ -458,6 +544,7 @@ mod tests {
             (Crossing, false),
             (NoResources, true),
             (Policy, false),
+            (NoPath, false),
         ] {
             let rej = Msg::Rej {
                 ud_qpn: 0x48,

@@ -91,7 +91,10 @@ impl Manager {
             self.iface,
             self.opts.device,
             self.opts.port,
-            if port.ethernet { "RoCE" } else { "IB" },
+            match port.link_layer {
+                crate::path::LinkLayer::Ethernet => "RoCE",
+                crate::path::LinkLayer::InfiniBand => "IB",
+            },
             port.gid_index,
             port.pkey_index,
             self.tun,
@@ -173,6 +176,12 @@ impl Hca {
 /// interface may use what the others do not.
 pub(super) fn open_hca(iface: &str, opts: &CmOptions) -> Result<(Hca, Arc<Ledger>), CmError> {
     let dev = open_device(&opts.device)?;
+    let port = dev.port_now(opts.port)?;
+    port.ready().map_err(|why| CmError::PortNotReady {
+        device: opts.device.clone(),
+        port: opts.port,
+        why,
+    })?;
     let limits = dev.limits()?;
     let pkey_index = partition_index(&dev, opts.port, opts.pkey)?;
     let mem = verbs::system_memory();

@@ -21,8 +21,8 @@ pub enum CmPhase {
 /// What happens to connected mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CmEvent {
-    /// The running connected mode stopped on an error.
-    Stopped,
+    /// The running connected mode stopped on an error; whether the port's (an event of it).
+    Stopped { the_ports: bool },
     /// The backoff's wait is over; whether what the last one left behind is gone.
     RestartDue { remains_gone: bool },
     /// A start again ended.
@@ -50,7 +50,7 @@ pub enum CmStep {
 pub fn transition(phase: CmPhase, event: CmEvent) -> (CmPhase, CmStep) {
     use {CmEvent as E, CmPhase as P, CmStep as S};
     match (phase, event) {
-        (P::Running, E::Stopped) => (P::BackingOff, S::StopAndBackOff),
+        (P::Running, E::Stopped { .. }) => (P::BackingOff, S::StopAndBackOff),
         (P::BackingOff, E::RestartDue { remains_gone: true }) => (P::Starting, S::BeginStart),
         (
             P::BackingOff,
@@ -88,7 +88,28 @@ impl Backoff {
     pub const STEADY: Duration = Duration::from_secs(600);
     /// How often a due start looks again whether the last one's remains are gone.
     pub const LINGER: Duration = Duration::from_millis(500);
+    /// How soon connected mode starts again after its port's event, and how often a port
+    /// that is not ready is looked at again: as the kernel's IPoIB flushes at once, with
+    /// nothing that grows (the port's state is the subnet's doing, a query costs nothing).
+    pub const PORT_POLL: Duration = Duration::from_secs(1);
     pub const LINGER_WARN: Duration = Duration::from_secs(30);
+
+    /// Connected mode never ran: its port was not ready at `now`; it starts once it is.
+    pub fn waiting_for_port(now: std::time::Instant) -> Self {
+        let mut b = Self::new(now);
+        b.port_wait(now);
+        b
+    }
+
+    /// Connected mode stopped, or did not start, at `now` because of its port: it starts
+    /// again after [`Backoff::PORT_POLL`], and the wait after an error is as it was.
+    pub fn port_wait(&mut self, now: std::time::Instant) -> Duration {
+        self.running_since = None;
+        self.due = Some(now + Self::PORT_POLL);
+        self.lingering_since = None;
+        self.warned = false;
+        Self::PORT_POLL
+    }
 
     /// Connected mode started at `now`.
     pub fn new(now: std::time::Instant) -> Self {
@@ -159,10 +180,12 @@ mod tests {
             remains_gone: false,
         };
         let (ok, failed) = (E::StartEnded { ok: true }, E::StartEnded { ok: false });
-        assert_eq!(
-            transition(P::Running, E::Stopped),
-            (P::BackingOff, S::StopAndBackOff)
-        );
+        for the_ports in [false, true] {
+            assert_eq!(
+                transition(P::Running, E::Stopped { the_ports }),
+                (P::BackingOff, S::StopAndBackOff)
+            );
+        }
         assert_eq!(
             transition(P::BackingOff, lingering),
             (P::BackingOff, S::Postpone)
@@ -178,14 +201,14 @@ mod tests {
         assert_eq!(transition(P::Starting, ok), (P::Running, S::Adopt));
         // Events that do not apply leave the phase as it is.
         for (p, e) in [
-            (P::UdOnly, E::Stopped),
+            (P::UdOnly, E::Stopped { the_ports: false }),
             (P::UdOnly, gone),
             (P::UdOnly, ok),
             (P::Running, gone),
             (P::Running, ok),
-            (P::BackingOff, E::Stopped),
+            (P::BackingOff, E::Stopped { the_ports: true }),
             (P::BackingOff, ok),
-            (P::Starting, E::Stopped),
+            (P::Starting, E::Stopped { the_ports: false }),
             (P::Starting, gone),
         ] {
             assert_eq!(transition(p, e), (p, S::Ignore), "{p:?} {e:?}");
@@ -250,5 +273,30 @@ mod tests {
         let due = b.due().unwrap();
         assert!(!b.postpone(due));
         assert!(b.postpone(due + Backoff::LINGER_WARN));
+    }
+
+    /// The port's stops and waits: a short wait that never grows, and that leaves the wait
+    /// after an error as it was.
+    #[test]
+    fn the_ports_waits_are_short_and_leave_the_error_backoff_alone() {
+        let t0 = Instant::now();
+        let b = Backoff::waiting_for_port(t0);
+        assert_eq!(b.due(), Some(t0 + Backoff::PORT_POLL));
+        let mut b = Backoff::new(t0);
+        let t = t0 + S;
+        assert_eq!(b.stopped(t), Backoff::FIRST);
+        assert_eq!(b.stopped(t), 2 * Backoff::FIRST);
+        for k in 1..5 {
+            let now = t + k * S;
+            assert_eq!(b.port_wait(now), Backoff::PORT_POLL);
+            assert_eq!(b.due(), Some(now + Backoff::PORT_POLL));
+        }
+        // An error after the port's waits: the error's wait goes on from where it was.
+        assert_eq!(b.stopped(t + 10 * S), 4 * Backoff::FIRST);
+        // A port wait during a long linger starts the linger's count anew.
+        let due = b.due().unwrap();
+        b.postpone(due);
+        b.port_wait(due + Backoff::LINGER_WARN);
+        assert!(!b.postpone(due + Backoff::LINGER_WARN + S));
     }
 }

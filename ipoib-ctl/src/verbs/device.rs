@@ -5,6 +5,7 @@ use std::{io, os::fd::RawFd, ptr, sync::Arc, time::Duration};
 use ibverbs_sys as ffi;
 
 use super::*;
+use crate::path::{LinkLayer, PortEvent, PortState};
 
 /// An open device context, closed when the last object made from it is gone.
 pub(super) struct Context {
@@ -57,8 +58,9 @@ pub enum AsyncEvent {
     QpFatal(u32),
     /// The last WQE of a QP attached to an SRQ was consumed (after an error); its QPN.
     QpLastWqeReached(u32),
-    /// A port changed state; its number.
-    PortChange(u8),
+    /// Something about a port changed (its state, its LID, its subnet manager, its P_Key or
+    /// GID tables): what, and the port's number.
+    Port(PortEvent, u8),
     /// Any other event type (the raw value).
     Other(u32),
 }
@@ -128,14 +130,43 @@ impl Device {
         self.ctx.check("ibv_query_gid", rc)?;
         Ok(PortAddress {
             port,
+            state: PortState::from_raw(pa.state),
             lid: pa.lid,
             // SAFETY: raw is the union's plain-bytes view.
             gid: unsafe { gid.raw },
             gid_index,
             active_mtu: pa.active_mtu,
-            ethernet: pa.link_layer as u32 == ffi::IBV_LINK_LAYER_ETHERNET,
+            link_layer: link_layer(pa.link_layer),
             pkey_index: 0,
+            ca_ack_delay: self.query_device()?.local_ca_ack_delay,
         })
+    }
+
+    /// The port as connected mode's readiness needs it: its state, and its first GID that is
+    /// set ([`Device::first_address`]) or a zero GID where none is (RoCE with no address).
+    pub fn port_now(&self, port: u8) -> Result<PortAddress, VerbsError> {
+        match self.first_address(port) {
+            Err(VerbsError::Query { what, .. }) if what == NO_GID => {
+                let mut pa = ffi::ibv_port_attr::default();
+                // SAFETY: valid context; the compat symbol takes the full struct.
+                let rc = unsafe {
+                    ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast())
+                };
+                self.ctx.check("ibv_query_port", rc)?;
+                Ok(PortAddress {
+                    port,
+                    state: PortState::from_raw(pa.state),
+                    lid: pa.lid,
+                    gid: [0; 16],
+                    gid_index: 0,
+                    active_mtu: pa.active_mtu,
+                    link_layer: link_layer(pa.link_layer),
+                    pkey_index: 0,
+                    ca_ack_delay: 0,
+                })
+            }
+            r => r,
+        }
     }
 
     /// How many physical ports the device has.
@@ -183,10 +214,7 @@ impl Device {
                 return Ok(a);
             }
         }
-        Err(self.err(
-            "port has no GID",
-            io::Error::from(io::ErrorKind::AddrNotAvailable),
-        ))
+        Err(self.err(NO_GID, io::Error::from(io::ErrorKind::AddrNotAvailable)))
     }
 
     /// The limits the memory plan needs (one ibv_query_device; `discover` reads every
@@ -232,10 +260,10 @@ impl Device {
                 ffi::IBV_EVENT_QP_LAST_WQE_REACHED => {
                     AsyncEvent::QpLastWqeReached((*ev.element.qp).qp_num)
                 }
-                ffi::IBV_EVENT_PORT_ACTIVE | ffi::IBV_EVENT_PORT_ERR => {
-                    AsyncEvent::PortChange(ev.element.port_num as u8)
-                }
-                other => AsyncEvent::Other(other),
+                other => match port_event(other) {
+                    Some(p) => AsyncEvent::Port(p, ev.element.port_num as u8),
+                    None => AsyncEvent::Other(other),
+                },
             }
         };
         // SAFETY: the event returned above, acknowledged once.
@@ -244,18 +272,72 @@ impl Device {
     }
 }
 
+const NO_GID: &str = "port has no GID";
+
+fn link_layer(raw: u8) -> LinkLayer {
+    if u32::from(raw) == ffi::IBV_LINK_LAYER_ETHERNET {
+        LinkLayer::Ethernet
+    } else {
+        // IBV_LINK_LAYER_UNSPECIFIED is InfiniBand: providers older than RoCE report it.
+        LinkLayer::InfiniBand
+    }
+}
+
+/// A port event from verbs' event type.
+fn port_event(event_type: u32) -> Option<PortEvent> {
+    Some(match event_type {
+        ffi::IBV_EVENT_PORT_ACTIVE => PortEvent::Active,
+        ffi::IBV_EVENT_PORT_ERR => PortEvent::Error,
+        ffi::IBV_EVENT_LID_CHANGE => PortEvent::LidChange,
+        ffi::IBV_EVENT_PKEY_CHANGE => PortEvent::PkeyChange,
+        ffi::IBV_EVENT_SM_CHANGE => PortEvent::SmChange,
+        ffi::IBV_EVENT_CLIENT_REREGISTER => PortEvent::ClientReregister,
+        ffi::IBV_EVENT_GID_CHANGE => PortEvent::GidChange,
+        _ => return None,
+    })
+}
+
 /// Where a port is, for the far end of a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PortAddress {
     pub port: u8,
+    /// When it was queried.
+    pub state: PortState,
     pub lid: u16,
     pub gid: [u8; 16],
     pub gid_index: u8,
     /// ibv_mtu enum (1 = 256 .. 5 = 4096).
     pub active_mtu: u32,
-    /// RoCE: addressing by GID (a GRH on every packet), no LIDs.
-    pub ethernet: bool,
+    pub link_layer: LinkLayer,
+    /// The HCA's local ACK delay (IB encoding), for the ACK timeout a path record derives.
+    pub ca_ack_delay: u8,
     /// Where the partition's P_Key sits in the port's table: local, for this side's QPs
     /// (0, the default partition, unless [`Resources::create_lanes`] was given another).
     pub pkey_index: u16,
+}
+
+impl PortAddress {
+    /// Where it is, for a path.
+    pub fn endpoint(&self) -> crate::path::Endpoint {
+        crate::path::Endpoint {
+            link_layer: self.link_layer,
+            lid: self.lid,
+            gid: self.gid,
+            mtu: self.active_mtu,
+        }
+    }
+
+    /// The address vector from it to `remote` with no path record
+    /// ([`crate::path::address_vector`]).
+    pub fn path_to(
+        &self,
+        remote: &RcEndpoint,
+    ) -> Result<crate::path::AddressVector, crate::path::NoPath> {
+        crate::path::address_vector(&self.endpoint(), &remote.at(), None, self.ca_ack_delay)
+    }
+
+    /// Whether connected mode may run on it ([`crate::path::port_ready`]).
+    pub fn ready(&self) -> Result<(), crate::path::PortNotReady> {
+        crate::path::port_ready(self.state, &self.endpoint())
+    }
 }

@@ -8,6 +8,7 @@ use std::{
 use ibverbs_sys as ffi;
 
 use super::*;
+use crate::path::{AddressVector, Endpoint, LinkLayer};
 
 /// The far end of an RC connection, as the handshake carries it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +21,19 @@ pub struct RcEndpoint {
     pub gid: [u8; 16],
     /// ibv_mtu enum (1 = 256 .. 5 = 4096): the endpoint's port MTU.
     pub mtu: u32,
+    pub link_layer: LinkLayer,
+}
+
+impl RcEndpoint {
+    /// Where its port is, for a path.
+    pub fn at(&self) -> Endpoint {
+        Endpoint {
+            link_layer: self.link_layer,
+            lid: self.lid,
+            gid: self.gid,
+            mtu: self.mtu,
+        }
+    }
 }
 
 /// QP state as ibv_query_qp reports it.
@@ -232,40 +246,52 @@ impl RcQueuePair {
             lid: self.port.lid,
             gid: self.port.gid,
             mtu: self.port.active_mtu,
+            link_layer: self.port.link_layer,
         }
     }
 
-    /// The path MTU with `remote` (the smaller port MTU), in bytes.
-    pub fn path_mtu(&self, remote: &RcEndpoint) -> u32 {
-        mtu_bytes(self.port.active_mtu.min(remote.mtu))
+    /// `av` as verbs takes it, from this QP's port.
+    fn ah_attr(&self, av: &AddressVector) -> ffi::ibv_ah_attr {
+        let grh = av.grh.unwrap_or(crate::path::Grh {
+            dgid: [0; 16],
+            hop_limit: 0,
+            traffic_class: 0,
+            flow_label: 0,
+        });
+        ffi::ibv_ah_attr {
+            grh: ffi::ibv_global_route {
+                dgid: ffi::ibv_gid { raw: grh.dgid },
+                flow_label: grh.flow_label,
+                sgid_index: self.port.gid_index,
+                hop_limit: grh.hop_limit,
+                traffic_class: grh.traffic_class,
+            },
+            dlid: av.dlid,
+            sl: av.sl,
+            src_path_bits: 0,
+            static_rate: av.static_rate,
+            is_global: u8::from(av.grh.is_some()),
+            port_num: self.port.port,
+        }
     }
 
-    /// INIT -> RTR -> RTS towards `remote`, with `timing`.
-    pub fn connect(&self, remote: &RcEndpoint, timing: RcTiming) -> Result<(), VerbsError> {
+    /// INIT -> RTR -> RTS towards `remote` along `av`, with `timing` (its ACK timeout where
+    /// the path gave none).
+    pub fn connect(
+        &self,
+        remote: &RcEndpoint,
+        av: &AddressVector,
+        timing: RcTiming,
+    ) -> Result<(), VerbsError> {
         use ffi::ibv_qp_attr_mask as M;
-        let global = self.port.ethernet || remote.lid == 0;
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
-            path_mtu: self.port.active_mtu.min(remote.mtu),
+            path_mtu: av.path_mtu,
             dest_qp_num: remote.qpn,
             rq_psn: remote.psn,
             max_dest_rd_atomic: 1,
             min_rnr_timer: timing.min_rnr_timer,
-            ah_attr: ffi::ibv_ah_attr {
-                grh: ffi::ibv_global_route {
-                    dgid: ffi::ibv_gid { raw: remote.gid },
-                    flow_label: 0,
-                    sgid_index: self.port.gid_index,
-                    hop_limit: if global { 64 } else { 0 },
-                    traffic_class: 0,
-                },
-                dlid: remote.lid,
-                sl: 0,
-                src_path_bits: 0,
-                static_rate: 0,
-                is_global: global as u8,
-                port_num: self.port.port,
-            },
+            ah_attr: self.ah_attr(av),
             ..Default::default()
         };
         self.modify(
@@ -281,7 +307,7 @@ impl RcQueuePair {
         )?;
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
-            timeout: timing.ack_timeout,
+            timeout: av.ack_timeout.unwrap_or(timing.ack_timeout),
             retry_cnt: timing.retry_cnt,
             rnr_retry: timing.rnr_retry,
             sq_psn: self.psn,

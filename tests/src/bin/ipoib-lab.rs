@@ -256,8 +256,9 @@ fn live_line(t: f64, a: &Node, b: &Node) {
 }
 
 /// CM, then two faults under the flow, each survived on UD and followed by the return to CM:
-/// the RC path fails (the link under the soft-RoCE device down: A's sends exhaust their
-/// retries and its QP errors), and B's control loop is killed (its QPs die with it).
+/// the RC path fails (the link under the soft-RoCE device down: its port's PORT_ERR stops
+/// connected mode on both nodes until PORT_ACTIVE), and B's control loop is killed (its QPs
+/// die with it).
 fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
     lab.attach(Which::A, &["--cm-device", dev])?;
     let mut pid_b = lab.attach(Which::B, &["--cm-device", dev])?;
@@ -302,11 +303,12 @@ fn run_cm_demo(lab: &mut Lab, args: &Args, dev: &str) -> Result<()> {
             set_link(l, "down")?;
             link_failed = true;
             println!(
-                "        FAULT: the RC path fails ({l}, the link under {dev}, down): A's sends run out of retries and its QP errors"
+                "        FAULT: the RC path fails ({l}, the link under {dev}, down): the port's \
+                 PORT_ERR stops connected mode on both nodes, every peer on UD"
             );
         } else if link_guard.is_some() && t >= at(35) {
             drop(link_guard.take());
-            println!("        the RC path is back; A reconnects after its backoff");
+            println!("        the RC path is back: connected mode starts again on the active port");
         } else if !killed && t >= at(55) {
             lab.kill9(pid_b);
             killed = true;

@@ -1,6 +1,7 @@
 //! Faults under a flow, each survived on UD and followed by the return to CM: the peer killed,
-//! the RC path failing, the handshake port blocked or flooded or its stream cut, the receiver
-//! stopped, the node's own control loop killed and restarted.
+//! the port going down and up (and a GID added, which changes nothing), the handshake port
+//! blocked or flooded or its stream cut, the receiver stopped, the node's own control loop
+//! killed and restarted.
 
 use super::*;
 
@@ -15,7 +16,7 @@ on_receive_models!(
 on_receive_models!(
     srq: Srq, then rings: Rings;
     a_killed_peer_falls_back_to_ud_and_returns_to_cm,
-    a_failed_rc_path_falls_back_to_ud_and_returns_to_cm,
+    the_port_going_down_and_up_moves_connected_mode_with_it,
 );
 
 /// The peer's control loop killed under the flow: A notices (the handshake stream ends), marks
@@ -376,12 +377,52 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
     settle(&dev, &baseline, COUNTED);
 }
 
-/// The RC path fails under the flow while both control loops live: the link under the RDMA
-/// device goes down, A's sends exhaust their retries and complete in error, the engine reports
-/// the QP error, A marks B UD and backs off; the stream goes on over UD, intact. The link back,
-/// a retry after the backoff connects again and the flow returns to CM.
-fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
-    let test = "a_failed_rc_path_falls_back_to_ud_and_returns_to_cm";
+/// How often `n`'s log says connected mode started (at the loop's start, and each time again).
+fn starts(n: &Node) -> usize {
+    ctl_log(n)
+        .lines()
+        .filter(|l| l.contains("connected mode on ") && l.contains(" started in "))
+        .count()
+}
+
+/// Why `n`'s connected mode does not run, once its control loop says so (within 15 s: the
+/// first start looks at the port at once, a stop says so at once); the loop must be alive,
+/// its heartbeat fresh, and connected mode off.
+fn cm_down_of(n: &Node, what: &str) -> String {
+    let mut seen = None;
+    wait_until(Duration::from_secs(15), || {
+        let s = n.status().unwrap();
+        seen = Some(s.clone());
+        s.cm.is_none() && s.cm_down.is_some()
+    });
+    let s = seen.unwrap();
+    let why = s.cm_down.clone().unwrap_or_else(|| {
+        panic!(
+            "{}: {what}: no reason why connected mode is off: {:?}\n{}",
+            n.ns,
+            s.cm.as_ref().map(|c| c.connections),
+            ctl_log(n)
+        )
+    });
+    assert!(
+        s.loop_running && !s.failsafe_active,
+        "{}: {what}: {s:#?}",
+        n.ns
+    );
+    why
+}
+
+/// The port under connected mode, as a subnet moves it (rxe's link, under the flow):
+/// - both nodes attached while it is DOWN wait on UD: status says why, the heartbeat beats,
+///   and a look again a few seconds on finds them still waiting;
+/// - it comes up (PORT_ACTIVE): connected mode starts on both, the flow is promoted;
+/// - a GID added to the port's table (an address on rxe's netdev: GID_CHANGE) changes nothing
+///   of ours: no restart, the flow stays on CM;
+/// - the link goes down under the flow (PORT_ERR): connected mode stops at once on both,
+///   every peer on UD, the stream goes on over UD; the link back, connected mode starts
+///   again and the flow returns to CM. The stream arrives intact throughout.
+fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
+    let test = "the_port_going_down_and_up_moves_connected_mode_with_it";
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyq"), 2) else {
         return;
     };
@@ -391,41 +432,100 @@ fn a_failed_rc_path_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         Some("rxev0"),
         "the test's rxe device runs on rxev0"
     );
-    attach(&mut lab, Which::A, recv, &dev, &[]);
-    attach(&mut lab, Which::B, recv, &dev, &[]);
+    let guard = LinkUp("rxev0".into());
+    set_link("rxev0", "down").unwrap();
+    let mut args = vec!["--cm-device", dev.as_str()];
+    if recv == Recv::Rings {
+        args.extend(["--srq", "off"]);
+    }
     let (a, b) = (lab.a.clone(), lab.b.clone());
+    for n in [&a, &b] {
+        lab.attach_node(n, &args)
+            .unwrap_or_else(|e| panic!("{}: attach with the port down: {e:#}", n.ns));
+    }
+    for n in [&a, &b] {
+        let why = cm_down_of(n, "attached with the port down");
+        eprintln!("{}: {why}", n.ns);
+        assert!(
+            why.contains("is not ready for connected mode") && why.contains("not ACTIVE"),
+            "{}: {why}",
+            n.ns
+        );
+    }
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5303);
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12))
-        .expect("promoted");
+    // Looked at again each second, and still waiting.
+    std::thread::sleep(Duration::from_secs(3));
+    let why = cm_down_of(&a, "still down");
+    assert!(why.contains("not ACTIVE"), "{why}");
+    assert_eq!(starts(&a), 0, "{}", ctl_log(&a));
 
-    let guard = LinkUp("rxev0".into());
+    set_link("rxev0", "up").unwrap();
+    let t = Instant::now();
+    let up = wait_until(Duration::from_secs(30), || {
+        a.cm().unwrap().is_some() && b.cm().unwrap().is_some()
+    });
+    assert!(
+        up,
+        "connected mode did not start with the port up:\nA:\n{}\nB:\n{}",
+        ctl_log(&a),
+        ctl_log(&b)
+    );
+    eprintln!(
+        "the port up: connected mode on both after {:.1?}",
+        t.elapsed()
+    );
+    assert_eq!(a.status().unwrap().cm_down, None, "said down while it runs");
+    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
+        .expect("promoted once the port is up");
+    let (starts_a, starts_b) = (starts(&a), starts(&b));
+    assert_eq!((starts_a, starts_b), (1, 1), "A:\n{}", ctl_log(&a));
+
+    // A GID more in the port's table: ours is as it was.
+    ipoib_tests::programs::sh_ok(&["ip", "addr", "add", "10.78.0.77/24", "dev", "rxev0"]);
+    let said = wait_until(Duration::from_secs(10), || {
+        ctl_log(&a).contains("GID_CHANGE, nothing of ours changed")
+    });
+    assert!(said, "no GID_CHANGE seen at A:\n{}", ctl_log(&a));
+    let before = a.peer(&b_ip).unwrap().unwrap();
+    let later = over_cm_past(&a, &b_ip, &before);
+    assert!(
+        later.traffic.tx_cm_bytes > before.traffic.tx_cm_bytes + (1 << 20),
+        "the flow left CM after a GID was added: {later:?}"
+    );
+    assert_eq!(
+        (starts(&a), starts(&b)),
+        (1, 1),
+        "a GID elsewhere restarted connected mode"
+    );
+    ipoib_tests::programs::sh_ok(&["ip", "addr", "del", "10.78.0.77/24", "dev", "rxev0"]);
+
     set_link("rxev0", "down").unwrap();
     let t = Instant::now();
     let fell = a
         .wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(15))
-        .unwrap_or_else(|| {
-            panic!(
-                "A kept B on CM with the RC path down: {:#?}",
-                a.cm().unwrap()
-            )
-        });
-    eprintln!("RC path down: A fell back to UD after {:.1?}", t.elapsed());
-    // The map changes at once; the status file (the engine's counters) once a tick.
-    let errors = || read_status(&a.iface).map_or(0, |s| engine_count(&s, "send_errors"));
-    // Within a few ticks: the status is written by the control loop, late on a slow machine.
-    wait_until(Duration::from_secs(10), || errors() > 0);
-    let cm = cm_of(&a);
-    assert!(
-        engine_count(&cm, "send_errors") > 0,
-        "the fallback came from something else than the QP error: {cm:#?}"
-    );
+        .unwrap_or_else(|| panic!("A kept B on CM with the port down:\n{}", ctl_log(&a)));
+    eprintln!("the port down: A fell back to UD after {:.1?}", t.elapsed());
+    for n in [&a, &b] {
+        let why = cm_down_of(n, "the port down under the flow");
+        eprintln!("{}: {why}", n.ns);
+        assert!(
+            why.contains("PORT_ERR") || why.contains("not ACTIVE"),
+            "{}: {why}",
+            n.ns
+        );
+        assert!(ctl_log(n).contains("PORT_ERR"), "{}:\n{}", n.ns, ctl_log(n));
+    }
     goes_on_over_ud(&a, &b_ip, &fell);
 
     drop(guard);
-    returns_to_cm(&a, &b, Duration::from_secs(90), "the link's return");
+    returns_to_cm(&a, &b, Duration::from_secs(60), "the port's return");
+    assert!(starts(&a) >= 2, "A:\n{}", ctl_log(&a));
     let sent = stream.finish();
-    eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    eprintln!(
+        "{} MiB crossed intact, across UD -> CM -> UD -> CM",
+        sent >> 20
+    );
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }
