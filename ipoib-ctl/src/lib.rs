@@ -14,6 +14,7 @@ pub mod config;
 pub mod connmgr;
 pub mod daemon;
 pub mod datapath;
+pub mod doctor;
 pub mod engine;
 pub mod exit;
 pub mod files;

@@ -132,6 +132,22 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = SrqChoice::Auto, value_name = "WHEN")]
         srq: SrqChoice,
     },
+    /// Check what connected mode needs, before and after attach: the kernel, bpffs, the
+    /// interface (IPoIB, the kernel's mode, offloads, partition), its HCA port (state, LID, SM,
+    /// MTU, P_Key, SRQ), the memory plan, and a running attach's heartbeat.
+    #[command(
+        after_help = "Examples:\n  ipoib-ctl doctor\n  ipoib-ctl doctor ib0\n  \
+                            ipoib-ctl doctor ib0 --json\n\n\
+                            One line per check: OK, WARN or FAIL and why. Exits 0 when every \
+                            line is OK, 6 when the worst is a WARN, 1 when a line FAILs."
+    )]
+    Doctor {
+        /// The IPoIB interface to check (without one: the system and every HCA port).
+        iface: Option<String>,
+        /// Print JSON instead of text, for scripts.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell).
     #[command(after_help = "Examples:\n  \
         ipoib-ctl completions bash > /usr/share/bash-completion/completions/ipoib-ctl\n  \
@@ -302,8 +318,8 @@ fn run(cli: Cli) -> Result<()> {
             memory_budget,
             srq,
         } => caps(json, memory_budget.as_deref(), srq),
-        // Printed before the root check, in main.
-        Cmd::Completions { .. } | Cmd::Man { .. } => Ok(()),
+        // Printed before the root check, in main; the doctor exits with its own code.
+        Cmd::Completions { .. } | Cmd::Man { .. } | Cmd::Doctor { .. } => Ok(()),
         Cmd::Peers { iface, json } => {
             let peers = status::peers(&attach::open(&iface)?)?;
             if json {
@@ -659,6 +675,20 @@ fn init_logs() -> bool {
     to_journal
 }
 
+/// `doctor`: the report, its exit code the worst line's.
+fn doctor(iface: Option<&str>, json: bool) -> ExitCode {
+    let checks = ipoib_ctl::doctor::judge(&ipoib_ctl::doctor::gather(iface));
+    if json {
+        if let Err(e) = print_json(&checks) {
+            eprintln!("ipoib-ctl: {e:#}");
+            return ExitCode::from(exit::FAILURE);
+        }
+    } else {
+        print!("{}", ipoib_ctl::doctor::render(&checks));
+    }
+    ExitCode::from(ipoib_ctl::doctor::worst(&checks).exit_code())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Neither needs root: they print what the command line is.
@@ -675,6 +705,9 @@ fn main() -> ExitCode {
             attach::PIN_ROOT
         );
         return ExitCode::from(exit::NO_PRIVILEGE);
+    }
+    if let Cmd::Doctor { iface, json } = &cli.cmd {
+        return doctor(iface.as_deref(), *json);
     }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

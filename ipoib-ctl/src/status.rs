@@ -352,7 +352,8 @@ fn heartbeat_seen(now_ns: u64, written_ns: u64, timeout_ns: u64) -> (Option<u64>
     )
 }
 
-fn human_bytes(b: u64) -> String {
+/// `b` in the largest binary unit under 1024 of it, one decimal (`3.0 MiB`).
+pub fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut i = 0;

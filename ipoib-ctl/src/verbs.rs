@@ -67,6 +67,8 @@ pub struct PortCaps {
     /// "InfiniBand" or "Ethernet".
     pub link_layer: String,
     pub lid: u16,
+    /// The subnet manager's LID (0 on RoCE, and where no SM has swept the port).
+    pub sm_lid: u16,
     pub gid_table_len: u32,
     /// Non-zero GIDs, as `fe80:0000:...` strings like ibv_devinfo prints them.
     pub gids: Vec<String>,
@@ -250,6 +252,7 @@ fn port_caps(ctx: &Device, port: u8) -> Result<PortCaps, VerbsError> {
             other => format!("unknown({other})"),
         },
         lid: pa.lid,
+        sm_lid: pa.sm_lid,
         gid_table_len: pa.gid_tbl_len.max(0) as u32,
         gids,
     })

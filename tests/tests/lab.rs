@@ -933,3 +933,71 @@ fn status_tells_a_gone_interface_from_one_elsewhere() {
     assert!(!std::path::Path::new(&format!("/sys/fs/bpf/ipoib/{}", a.iface)).exists());
     assert!(!std::path::Path::new(&format!("/run/ipoib-ctl/{}.json", a.iface)).exists());
 }
+
+/// `doctor` on a lab node, before and after attach, and once its control loop is killed:
+/// the report's lines as the node is (a veth, not IPoIB: WARN; not attached yet: OK; the loop
+/// running with no connected mode: WARN and why; the loop gone: FAIL), its exit code the worst
+/// line's (6 for a WARN, 1 for a FAIL), and the kernel's own checks OK on any kernel the suite
+/// runs on.
+#[test]
+fn doctor_reports_the_node_as_it_is_before_and_after_attach() {
+    let test = "doctor_reports_the_node_as_it_is_before_and_after_attach";
+    let Some(mut lab) = lab_or_skip(test, "doc", false) else {
+        return;
+    };
+    let a = lab.a.clone();
+    let doctor = || {
+        let out = a.ctl(&["doctor", &a.iface, "--json"]).unwrap();
+        let v: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+        let line = |what: &str| -> (String, String) {
+            let l = v
+                .iter()
+                .find(|l| l["what"] == what)
+                .unwrap_or_else(|| panic!("no `{what}` in {v:#?}"));
+            (
+                l["level"].as_str().unwrap().to_string(),
+                l["says"].as_str().unwrap().to_string(),
+            )
+        };
+        for what in ["kernel", "bpffs", "memlock"] {
+            assert_eq!(line(what).0, "OK", "{what}: {v:#?}");
+        }
+        let worst = v
+            .iter()
+            .map(|l| match l["level"].as_str().unwrap() {
+                "OK" => 0,
+                "WARN" => 1,
+                _ => 2,
+            })
+            .max()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some([0, 6, 1][worst]),
+            "the exit code is not the worst line's: {v:#?}"
+        );
+        (
+            line(&format!("interface {}", a.iface)),
+            line(&format!("attach {}", a.iface)),
+        )
+    };
+    let (iface, attach) = doctor();
+    assert_eq!(iface.0, "WARN", "{iface:?}");
+    assert!(iface.1.contains("not IPoIB"), "{iface:?}");
+    assert_eq!(attach, ("OK".into(), "not attached (yet)".into()));
+
+    let pid = lab.attach(Which::A, &[]).unwrap();
+    let (_, attach) = doctor();
+    assert_eq!(attach.0, "WARN", "{attach:?}");
+    assert!(
+        attach.1.contains("control loop running")
+            && attach.1.contains("connected mode not running"),
+        "{attach:?}"
+    );
+    lab.kill9(pid);
+    let (_, attach) = doctor();
+    assert_eq!(attach.0, "FAIL", "{attach:?}");
+    assert!(attach.1.contains("no control loop runs"), "{attach:?}");
+    lab.teardown();
+}
