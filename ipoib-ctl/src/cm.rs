@@ -1,8 +1,9 @@
 //! Connected mode: the handshake that sets up RC connections over the IP path ([`handshake`]),
-//! its wire format ([`wire`], pure), and a peer's address found from its IP address
-//! ([`peer`]).
+//! its wire format ([`wire`], pure), a peer's address found from its IP address ([`peer`]),
+//! and the path records of the setups ([`paths`]).
 
 pub mod handshake;
+mod paths;
 pub mod peer;
 pub mod wire;
 

@@ -656,6 +656,9 @@ impl Manager {
             failed: get(&self.cm.stats.failed),
             awaiting_req: get(&self.cm.stats.awaiting_req),
             dropped_awaiting_req: get(&self.cm.stats.dropped_awaiting_req),
+            paths_resolved: get(&self.cm.stats.paths_resolved),
+            paths_unresolved: get(&self.cm.stats.paths_unresolved),
+            paths_from_peer: get(&self.cm.stats.paths_from_peer),
             tasks: tokio::runtime::Handle::current()
                 .metrics()
                 .num_alive_tasks() as u64,

@@ -574,6 +574,11 @@ fn render_cm(out: &mut String, cm: &cm::CmStatus) {
          late by {} ms at most",
         cm.awaiting_req, cm.dropped_awaiting_req, cm.tasks, cm.tick_late_max_ms
     );
+    let _ = writeln!(
+        out,
+        "    path records: {} resolved, {} not (SL 0, the ports' MTU), {} from the peers' REQs",
+        cm.paths_resolved, cm.paths_unresolved, cm.paths_from_peer
+    );
     render_engine(out, cm);
     for p in &cm.peers {
         let _ = writeln!(out, "    {:<26} {}", p.addr, p.why);

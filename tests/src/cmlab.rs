@@ -256,6 +256,9 @@ pub fn rdma_resources(dev: &str) -> HashMap<String, u64> {
 
 /// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
 pub fn rxe_device() -> Option<String> {
+    // librdmacm's device (/dev/infiniband/rdma_cm), for path records: a distribution's
+    // rdma-core loads it with the first RDMA device, the VM has no service that does.
+    let _ = sh(&["modprobe", "rdma_ucm"]);
     let caps = sh(&[ctl_path().to_str().unwrap(), "caps", "--json"]);
     if caps.status.success() {
         let v: serde_json::Value = serde_json::from_slice(&caps.stdout).ok()?;

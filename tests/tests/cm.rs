@@ -142,6 +142,7 @@ fn req_to(peer: &Peer) -> [u8; MSG_LEN] {
             mtu: 3,
             link_layer: LinkLayer::Ethernet,
         },
+        path: None,
     })
     .encode()
 }
@@ -189,7 +190,7 @@ fn malformed_requests_are_rejected_and_cost_nothing() {
         ("link layer", 27, 3, RejectReason::Malformed),
         ("InfiniBand to a RoCE port", 27, 1, RejectReason::NoPath),
         ("multicast GID", 28, 0xff, RejectReason::Malformed),
-        ("trailing reserved", 45, 1, RejectReason::Malformed),
+        ("path bytes", 45, 1, RejectReason::Malformed),
     ];
     for &(what, off, val, want) in cases {
         let mut b = good;
@@ -460,6 +461,7 @@ fn setups_past_the_cap_are_refused_busy() {
                 mtu: 3,
                 link_layer: LinkLayer::Ethernet,
             },
+            path: None,
         });
         holder.write_all(&req.encode()).await.unwrap();
         let mut rep = [0u8; MSG_LEN];
@@ -962,5 +964,79 @@ fn completions_in_error_tell_a_receive_from_a_send() {
             "the peer took 1000 bytes into 256: {tx:?}"
         );
     }
+    settle(&dev, &baseline, COUNTED);
+}
+
+/// librdmacm resolves a path to the rxe device's own address (rxev0, 10.78.0.1: the route a
+/// RoCE node fills itself), and a setup that asks for path records sends it in its REQ: the
+/// answering side takes it, both QPs run with the ACK timeout ib_cm's rule gives for the
+/// path's packet lifetime (not the fixed one), and messages cross. A peer's address no RDMA
+/// device is on resolves to an error within the timeouts, and the setup goes on without.
+#[test]
+fn a_path_record_is_resolved_and_carried_in_the_req() {
+    let Some(dev) = device("a_path_record_is_resolved_and_carried_in_the_req") else {
+        return;
+    };
+    let rxe_ip: std::net::IpAddr = "10.78.0.1".parse().unwrap();
+    let t = Instant::now();
+    let rec = ipoib_ctl::verbs::resolve_path(rxe_ip, Duration::from_secs(1))
+        .unwrap_or_else(|e| panic!("no path to {rxe_ip} on {dev}: {e}"));
+    eprintln!("path record to {rxe_ip} in {:.1?}: {rec:?}", t.elapsed());
+    assert!((1..=5).contains(&rec.mtu), "{rec:?}");
+    assert!((1..=31).contains(&rec.packet_life_time), "{rec:?}");
+    let t = Instant::now();
+    let none =
+        ipoib_ctl::verbs::resolve_path("10.99.0.1".parse().unwrap(), Duration::from_millis(500));
+    eprintln!("no path to 10.99.0.1 after {:.1?}: {none:?}", t.elapsed());
+    assert!(none.is_err(), "{none:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+
+    let baseline = rdma_resources(&dev);
+    let asks = SetupConfig {
+        path_records: true,
+        path_timeout: Duration::from_secs(1),
+        ..SetupConfig::default()
+    };
+    let (a, cma, b, cmb) = two_nodes(&dev, asks, SetupConfig::default());
+    let rt = rt();
+    let (conn, peer_conn) = rt.block_on(async {
+        let l = tokio::net::TcpListener::bind((rxe_ip, 0)).await.unwrap();
+        let addr_b = l.local_addr().unwrap();
+        let (tx, mut in_b) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(cmb.clone().serve(l, tx));
+        let c = cma.connect(addr_b, cmb.hwaddr()).await.unwrap();
+        (c, in_b.recv().await.unwrap().1.unwrap())
+    });
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(cma.stats.paths_resolved.load(Relaxed), 1);
+    assert_eq!(cmb.stats.paths_from_peer.load(Relaxed), 1);
+    let want = ipoib_ctl::path::ack_timeout(a.res.port.ca_ack_delay, rec.packet_life_time);
+    let (ta, mtu_a) = conn.qp.path_attrs().unwrap();
+    let (tb, mtu_b) = peer_conn.qp.path_attrs().unwrap();
+    eprintln!(
+        "ACK timeouts {ta} and {tb} (fixed: {}), path MTUs {mtu_a} and {mtu_b}",
+        RcTiming::default().ack_timeout
+    );
+    assert_eq!(ta, want, "A's QP");
+    assert_eq!(
+        tb,
+        ipoib_ctl::path::ack_timeout(b.res.port.ca_ack_delay, rec.packet_life_time),
+        "B's QP took A's path"
+    );
+    assert!(mtu_a <= rec.mtu && mtu_b <= rec.mtu);
+    // Messages cross on the path's address vector.
+    let mut pa = Pump::new(a.clone());
+    let mut none_sink = Vec::new();
+    for i in 0..8 {
+        pa.send(&conn.qp, &pattern(i, 1000), &mut none_sink)
+            .unwrap();
+    }
+    let mut pb = Pump::new(b.clone());
+    let mut got = Vec::new();
+    pb.collect(&mut got, 8, Duration::from_secs(10)).unwrap();
+    for (i, m) in got.iter().enumerate() {
+        assert!(m.data == pattern(i as u32, 1000), "message {i} intact");
+    }
+    drop((conn, peer_conn, pa, pb, cma, cmb, a, b));
     settle(&dev, &baseline, COUNTED);
 }

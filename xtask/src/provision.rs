@@ -48,6 +48,10 @@ const VM_PACKAGES: &[(&str, &str)] = &[
     ),
     ("rdma-core", "soft-RoCE (rxe) userspace"),
     ("ibverbs-providers", "the rxe verbs provider"),
+    (
+        "librdmacm1",
+        "path records (ipoib-ctl opens librdmacm at run time)",
+    ),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

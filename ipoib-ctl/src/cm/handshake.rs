@@ -43,10 +43,12 @@ use tokio::{
 };
 
 use super::wire::{
-    Hello, HwAddr, Kind, MSG_LEN, Msg, RejectReason, WireError, accepts_crossing, connection_mtu,
+    Hello, HwAddr, Kind, MSG_LEN, Msg, PathParams, RejectReason, WireError, accepts_crossing,
+    connection_mtu,
 };
 use crate::{
     clock::{delayed_interval, monotonic_ns},
+    path::PathRecord,
     verbs::{RcQueuePair, RcTiming, Resources, VerbsError},
 };
 
@@ -122,6 +124,11 @@ pub struct SetupConfig {
     /// The interface our handshake streams go out of (SO_BINDTODEVICE): the one whose HCA
     /// port the connections use. None: wherever the route says.
     pub device: Option<String>,
+    /// Whether a setup asks for a path record to the peer (librdmacm, on the peer's address:
+    /// on IPoIB, where that address is on the fabric) and sends it in its REQ.
+    pub path_records: bool,
+    /// Each of a path resolution's two steps (address, route) at most.
+    pub path_timeout: Duration,
 }
 
 impl Default for SetupConfig {
@@ -136,6 +143,8 @@ impl Default for SetupConfig {
             max_send_wr: crate::plan::SEND_WINDOW,
             timing: RcTiming::default(),
             device: None,
+            path_records: false,
+            path_timeout: Duration::from_millis(500),
         }
     }
 }
@@ -342,6 +351,11 @@ pub struct CmStats {
     pub dropped_awaiting_req: AtomicU64,
     /// Incoming streams waiting for their REQ now.
     pub awaiting_req: AtomicU64,
+    /// Path records resolved for our setups, resolutions that failed, and REQs that brought
+    /// the peer's.
+    pub paths_resolved: AtomicU64,
+    pub paths_unresolved: AtomicU64,
+    pub paths_from_peer: AtomicU64,
 }
 
 /// The connection manager of one node (one IPoIB interface).
@@ -357,6 +371,7 @@ pub struct Cm {
     /// Connections and setups at most (see [`Cm::set_limit`]).
     limit: AtomicUsize,
     pub stats: CmStats,
+    paths: super::paths::Paths,
 }
 
 async fn read_msg(s: &mut TcpStream, t: Duration, what: &'static str) -> Result<Msg, SetupError> {
@@ -390,6 +405,7 @@ impl Cm {
             table: Arc::default(),
             limit: AtomicUsize::new(usize::MAX),
             stats: CmStats::default(),
+            paths: super::paths::Paths::default(),
         }
     }
 
@@ -413,11 +429,12 @@ impl Cm {
         }
     }
 
-    fn hello(&self, qp: &RcQueuePair) -> Hello {
+    fn hello(&self, qp: &RcQueuePair, path: Option<&PathRecord>) -> Hello {
         Hello {
             ud_qpn: self.ud_qpn,
             recv_mtu: self.recv_mtu,
             rc: qp.endpoint(),
+            path: path.map(PathParams::of),
         }
     }
 
@@ -499,12 +516,18 @@ impl Cm {
         // The QP (and its receive ring, without an SRQ) first: past the plan's rings the peer
         // is not bothered.
         let qp = self.new_qp()?;
+        let path = if self.cfg.path_records {
+            let t = self.cfg.path_timeout;
+            self.paths.get(addr.ip(), t, &self.stats).await
+        } else {
+            None
+        };
         let mut s = match timeout(t, self.tcp_connect(addr)).await {
             Err(_) => return Err(SetupError::Timeout("TCP connect")),
             Ok(r) => r?,
         };
         s.set_nodelay(true)?;
-        write_msg(&mut s, Msg::Req(self.hello(&qp)), t).await?;
+        write_msg(&mut s, Msg::Req(self.hello(&qp, path.as_ref())), t).await?;
         let rep = match read_msg(&mut s, t, "REP").await? {
             Msg::Rep(h) => h,
             Msg::Rej {
@@ -522,7 +545,7 @@ impl Cm {
                 got: rep.hwaddr(),
             });
         }
-        let av = self.res.port.path_to(&rep.rc)?;
+        let av = self.res.port.path_to(&rep.rc, path.as_ref())?;
         qp.connect(&rep.rc, &av, self.cfg.timing)?;
         write_msg(
             &mut s,
@@ -607,7 +630,16 @@ impl Cm {
                 return Err(e);
             }
         };
-        let av = match self.res.port.path_to(&req.rc) {
+        // The asker's path, toward its LID, as the kernel's CM takes the passive side's from
+        // the REQ; across a router it would name the wrong LID, so it is not taken there.
+        let path = req
+            .path
+            .filter(|_| req.rc.gid[..8] == self.res.port.gid[..8])
+            .map(|p| p.record(req.rc.lid));
+        if path.is_some() {
+            self.stats.paths_from_peer.fetch_add(1, Ordering::Relaxed);
+        }
+        let av = match self.res.port.path_to(&req.rc, path.as_ref()) {
             Ok(r) => r,
             Err(e) => {
                 write_msg(&mut s, self.reject(RejectReason::NoPath), t).await?;
@@ -622,7 +654,7 @@ impl Cm {
             }
         };
         qp.connect(&req.rc, &av, self.cfg.timing)?;
-        write_msg(&mut s, Msg::Rep(self.hello(&qp)), t).await?;
+        write_msg(&mut s, Msg::Rep(self.hello(&qp, path.as_ref())), t).await?;
         match read_msg(&mut s, t, "RTU").await? {
             Msg::Rtu { ud_qpn, .. } if ud_qpn == req.ud_qpn => {}
             Msg::Rtu { .. } => return Err(SetupError::Unexpected(Kind::Rtu)),

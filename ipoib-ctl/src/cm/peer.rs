@@ -123,6 +123,7 @@ mod tests {
                     mtu: 5,
                     link_layer: crate::path::LinkLayer::InfiniBand,
                 },
+                path: None,
             };
             assert_eq!(rep.hwaddr(), hw, "{text}");
         }

@@ -8,11 +8,13 @@
 //! 16  RC QPN (be32, high byte 0)   20  first PSN (be32, 24 bits)      } REQ and REP only;
 //! 24  LID (be16)   26  port MTU (ibv_mtu 1..=5)   27  link layer      } zero in REJ, RTU
 //! 28  GID (16 bytes)                                                  }
-//! 44  reserved, 0 (be32)
+//! 44  path: 0x80 | SL, or 0    45  path MTU   46  rate   47  packet lifetime (REQ, REP)
 //! ```
 //!
 //! Version 2 added the link layer (1 InfiniBand, 2 Ethernet), byte 27, which version 1 kept
-//! zero: a LID of 0 no longer has to stand for RoCE. A message of another version is
+//! zero: a LID of 0 no longer has to stand for RoCE; and the path the sender resolved to the
+//! receiver (bytes 44-47, zero where it had none), from which the receiver builds its own
+//! address vector as the kernel's CM builds the passive side's from the REQ's primary path. A message of another version is
 //! refused with REJ `Version`, written in the asker's version where it is 1 (a REJ's layout
 //! is the same in both), so an older node says why too.
 //!
@@ -20,7 +22,10 @@
 //! the active side confirms with RTU once its QP is in RTS. Every field is checked before
 //! anything is allocated for the message; a violation names the field.
 
-use crate::{path::LinkLayer, verbs::RcEndpoint};
+use crate::{
+    path::{LinkLayer, PathRecord},
+    verbs::RcEndpoint,
+};
 
 pub const MAGIC: [u8; 4] = *b"IPHC";
 pub const VERSION: u8 = 2;
@@ -120,6 +125,49 @@ pub struct Hello {
     pub recv_mtu: u32,
     /// The sender's RC QP.
     pub rc: RcEndpoint,
+    /// The path the sender resolved to the receiver, if it had one.
+    pub path: Option<PathParams>,
+}
+
+/// What a REQ or REP says of the sender's path record: the fields the receiver's address
+/// vector takes from it (the DLID is the sender's LID).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PathParams {
+    /// 4 bits.
+    pub sl: u8,
+    /// `ibv_mtu` (1..=5).
+    pub mtu: u8,
+    /// `ibv_rate`, 6 bits.
+    pub rate: u8,
+    /// IB encoding, 6 bits.
+    pub packet_life_time: u8,
+}
+
+impl PathParams {
+    /// The fields of `r` a peer needs.
+    pub fn of(r: &PathRecord) -> Self {
+        Self {
+            sl: r.sl & 0xf,
+            mtu: r.mtu.clamp(1, 5) as u8,
+            rate: r.rate & 0x3f,
+            packet_life_time: r.packet_life_time & 0x3f,
+        }
+    }
+
+    /// The record the receiver takes from it, toward the sender's port at `dlid` (same
+    /// subnet: no GRH fields).
+    pub fn record(&self, dlid: u16) -> PathRecord {
+        PathRecord {
+            dlid,
+            sl: self.sl,
+            mtu: u32::from(self.mtu),
+            rate: self.rate,
+            packet_life_time: self.packet_life_time,
+            hop_limit: 0,
+            traffic_class: 0,
+            flow_label: 0,
+        }
+    }
 }
 
 impl Hello {
@@ -160,6 +208,8 @@ pub enum WireError {
     Gid,
     #[error("link layer {0} is neither InfiniBand (1) nor Ethernet (2)")]
     LinkLayer(u8),
+    #[error("path bytes {0:02x?}: not 0x80|SL, an ibv_mtu, a 6-bit rate and lifetime, or all 0")]
+    Path([u8; 4]),
     #[error("a {0:?} carries RC endpoint fields, which must be zero")]
     Extra(Kind),
 }
@@ -201,6 +251,9 @@ impl Msg {
                 b[26] = h.rc.mtu as u8;
                 b[27] = h.rc.link_layer.code();
                 b[28..44].copy_from_slice(&h.rc.gid);
+                if let Some(p) = h.path {
+                    b[44..48].copy_from_slice(&[0x80 | p.sl, p.mtu, p.rate, p.packet_life_time]);
+                }
                 (h.ud_qpn, h.recv_mtu)
             }
             Msg::Rej {
@@ -259,6 +312,7 @@ impl Msg {
                     ud_qpn,
                     recv_mtu,
                     rc: decode_endpoint(b)?,
+                    path: decode_path(b)?,
                 };
                 Ok(if kind == Kind::Req {
                     Msg::Req(h)
@@ -290,15 +344,14 @@ fn decode_header(b: &[u8; MSG_LEN]) -> Result<Kind, WireError> {
         4 => Kind::Rtu,
         k => return Err(WireError::Kind(k)),
     };
-    for o in [7, 44, 45, 46, 47] {
-        if b[o] != 0 {
-            return Err(WireError::Reserved(o));
-        }
+    if b[7] != 0 {
+        return Err(WireError::Reserved(7));
     }
     if kind != Kind::Rej && b[6] != 0 {
         return Err(WireError::Reserved(6));
     }
-    if matches!(kind, Kind::Rej | Kind::Rtu) && b[27] != 0 {
+    if matches!(kind, Kind::Rej | Kind::Rtu) && b[27..28].iter().chain(&b[44..48]).any(|&x| x != 0)
+    {
         return Err(WireError::Extra(kind));
     }
     Ok(kind)
@@ -339,6 +392,24 @@ fn decode_endpoint(b: &[u8; MSG_LEN]) -> Result<RcEndpoint, WireError> {
     })
 }
 
+/// The path bytes of a REQ or REP: all zero, or 0x80 | SL, an ibv_mtu, a 6-bit rate and a
+/// 6-bit packet lifetime.
+fn decode_path(b: &[u8; MSG_LEN]) -> Result<Option<PathParams>, WireError> {
+    let p = [b[44], b[45], b[46], b[47]];
+    if p == [0; 4] {
+        return Ok(None);
+    }
+    if p[0] & 0xf0 != 0x80 || !(1..=5).contains(&p[1]) || p[2] > 0x3f || p[3] > 0x3f {
+        return Err(WireError::Path(p));
+    }
+    Ok(Some(PathParams {
+        sl: p[0] & 0xf,
+        mtu: p[1],
+        rate: p[2],
+        packet_life_time: p[3],
+    }))
+}
+
 /// The per-connection MTU (RFC 4755 5.1): the smaller receive MTU, less the IPoIB header.
 pub fn connection_mtu(local_recv_mtu: u32, remote_recv_mtu: u32) -> u32 {
     local_recv_mtu.min(remote_recv_mtu) - 4
@@ -362,6 +433,20 @@ mod tests {
                 mtu: 3,
                 link_layer: LinkLayer::Ethernet,
             },
+            path: None,
+        }
+    }
+
+    /// A path as OpenSM gives one with QoS on: SL 3, 4096 bytes, 100 Gb/s, lifetime 0x12.
+    fn with_path() -> Hello {
+        Hello {
+            path: Some(PathParams {
+                sl: 3,
+                mtu: 5,
+                rate: 16,
+                packet_life_time: 0x12,
+            }),
+            ..hello()
         }
     }
 
@@ -371,6 +456,8 @@ mod tests {
         for m in [
             Msg::Req(h),
             Msg::Rep(h),
+            Msg::Req(with_path()),
+            Msg::Rep(with_path()),
             Msg::Rej {
                 ud_qpn: 0x48,
                 recv_mtu: 65524,
@@ -401,6 +488,61 @@ mod tests {
         assert_eq!(b[43], 0x55);
     }
 
+    /// The path bytes: 0x80 | SL, MTU, rate, lifetime; zero without a path; REJ and RTU carry
+    /// none. The record the receiver takes is toward the sender's LID.
+    #[test]
+    fn the_senders_path_is_on_the_wire() {
+        let b = Msg::Req(with_path()).encode();
+        assert_eq!(&b[44..48], &[0x83, 5, 16, 0x12]);
+        assert_eq!(&Msg::Req(hello()).encode()[44..48], &[0; 4]);
+        let p = with_path().path.unwrap();
+        let r = p.record(7);
+        assert_eq!(
+            (r.dlid, r.sl, r.mtu, r.rate, r.packet_life_time, r.hop_limit),
+            (7, 3, 5, 16, 0x12, 0)
+        );
+        assert_eq!(PathParams::of(&r), p);
+        // What does not fit the bytes is cut to them.
+        let wide = PathRecord {
+            sl: 0x13,
+            mtu: 9,
+            rate: 0x55,
+            packet_life_time: 0x7f,
+            ..r
+        };
+        assert_eq!(
+            PathParams::of(&wide),
+            PathParams {
+                sl: 3,
+                mtu: 5,
+                rate: 0x15,
+                packet_life_time: 0x3f
+            }
+        );
+        for (kind, mut b) in [
+            (
+                Kind::Rej,
+                Msg::Rej {
+                    ud_qpn: 0x48,
+                    recv_mtu: 65524,
+                    reason: RejectReason::Busy,
+                }
+                .encode(),
+            ),
+            (
+                Kind::Rtu,
+                Msg::Rtu {
+                    ud_qpn: 0x48,
+                    recv_mtu: 65524,
+                }
+                .encode(),
+            ),
+        ] {
+            b[44] = 0x80;
+            assert_eq!(Msg::decode(&b), Err(WireError::Extra(kind)));
+        }
+    }
+
     /// Each field, broken on its own, is refused with that field named.
     #[test]
     fn each_malformed_field_is_named() {
@@ -416,7 +558,7 @@ mod tests {
             (Box::new(|b| b[7] = 1), WireError::Reserved(7)),
             (Box::new(|b| b[27] = 0), WireError::LinkLayer(0)),
             (Box::new(|b| b[27] = 3), WireError::LinkLayer(3)),
-            (Box::new(|b| b[47] = 1), WireError::Reserved(47)),
+            (Box::new(|b| b[47] = 1), WireError::Path([0, 0, 0, 1])),
             (Box::new(|b| b[8] = 1), WireError::UdQpn(0x0100_0048)),
             (
                 Box::new(|b| b[8..12].copy_from_slice(&[0, 0, 0, 1])),
@@ -448,6 +590,37 @@ mod tests {
             (Box::new(|b| b[26] = 6), WireError::PortMtu(6)),
             (Box::new(|b| b[28..44].fill(0)), WireError::Gid),
             (Box::new(|b| b[28] = 0xff), WireError::Gid),
+        ];
+        for (i, (breakit, want)) in cases.iter().enumerate() {
+            let mut b = good;
+            breakit(&mut b);
+            assert_eq!(Msg::decode(&b), Err(*want), "case {i}");
+        }
+    }
+
+    /// Path bytes that are not 0x80 | SL, an ibv_mtu, a 6-bit rate and lifetime.
+    #[test]
+    fn malformed_path_bytes_are_named() {
+        let good = Msg::Req(hello()).encode();
+        type Breaker = Box<dyn Fn(&mut [u8; MSG_LEN])>;
+        let cases: Vec<(Breaker, WireError)> = vec![
+            (Box::new(|b| b[44] = 0x80), WireError::Path([0x80, 0, 0, 0])),
+            (
+                Box::new(|b| b[44..48].copy_from_slice(&[0x93, 5, 16, 18])),
+                WireError::Path([0x93, 5, 16, 18]),
+            ),
+            (
+                Box::new(|b| b[44..48].copy_from_slice(&[0x83, 6, 16, 18])),
+                WireError::Path([0x83, 6, 16, 18]),
+            ),
+            (
+                Box::new(|b| b[44..48].copy_from_slice(&[0x83, 5, 64, 18])),
+                WireError::Path([0x83, 5, 64, 18]),
+            ),
+            (
+                Box::new(|b| b[44..48].copy_from_slice(&[0x83, 5, 16, 64])),
+                WireError::Path([0x83, 5, 16, 64]),
+            ),
         ];
         for (i, (breakit, want)) in cases.iter().enumerate() {
             let mut b = good;

@@ -26,8 +26,10 @@ impl Manager {
         reset_peers(&mut maps)?;
         // Nothing fails past this point: what runs from here is undone by `shutdown`.
         let link = lower_gso(rtnl, iface, addresses).await?;
+        // Path records where the peers' addresses are on the fabric (IPoIB), not in the lab.
         let setup = SetupConfig {
             device: Some(iface.to_string()),
+            path_records: matches!(opts.resolve, Resolve::Neighbour { .. }),
             ..SetupConfig::default()
         };
         let cm = Arc::new(Cm::new(hca.res.clone(), opts.ud_qpn, setup));

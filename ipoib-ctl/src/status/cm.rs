@@ -111,6 +111,14 @@ pub struct CmStatus {
     pub awaiting_req: u64,
     #[serde(default)]
     pub dropped_awaiting_req: u64,
+    /// Path records resolved for our setups, resolutions that failed, and setups whose REQ
+    /// brought the peer's path.
+    #[serde(default)]
+    pub paths_resolved: u64,
+    #[serde(default)]
+    pub paths_unresolved: u64,
+    #[serde(default)]
+    pub paths_from_peer: u64,
     /// Tasks alive in the control loop's runtime.
     #[serde(default)]
     pub tasks: u64,

@@ -327,13 +327,14 @@ impl PortAddress {
         }
     }
 
-    /// The address vector from it to `remote` with no path record
+    /// The address vector from it to `remote`, with `record` where the subnet gave one
     /// ([`crate::path::address_vector`]).
     pub fn path_to(
         &self,
         remote: &RcEndpoint,
+        record: Option<&crate::path::PathRecord>,
     ) -> Result<crate::path::AddressVector, crate::path::NoPath> {
-        crate::path::address_vector(&self.endpoint(), &remote.at(), None, self.ca_ack_delay)
+        crate::path::address_vector(&self.endpoint(), &remote.at(), record, self.ca_ack_delay)
     }
 
     /// Whether connected mode may run on it ([`crate::path::port_ready`]).

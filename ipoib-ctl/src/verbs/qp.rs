@@ -340,6 +340,24 @@ impl RcQueuePair {
         )
     }
 
+    /// The ACK timeout and path MTU (`ibv_mtu`) the QP runs with, as the HCA reports them.
+    pub fn path_attrs(&self) -> Result<(u8, u32), VerbsError> {
+        let mut attr = ffi::ibv_qp_attr::default();
+        let mut init = ffi::ibv_qp_init_attr::default();
+        use ffi::ibv_qp_attr_mask as M;
+        // SAFETY: valid QP and out pointers.
+        let rc = unsafe {
+            ffi::ibv_query_qp(
+                self.qp,
+                &mut attr,
+                (M::IBV_QP_TIMEOUT | M::IBV_QP_PATH_MTU).0 as i32,
+                &mut init,
+            )
+        };
+        self.ctx().check("ibv_query_qp", rc)?;
+        Ok((attr.timeout, attr.path_mtu))
+    }
+
     pub fn state(&self) -> Result<QpState, VerbsError> {
         let mut attr = ffi::ibv_qp_attr::default();
         let mut init = ffi::ibv_qp_init_attr::default();
