@@ -437,6 +437,7 @@ impl Manager {
                         .handle_qp_error(monotonic_ns(), qpn, "device event: QP fatal");
                 }
                 Ok(Some(AsyncEvent::SrqLimitReached)) => self.core.handle_srq_limit(),
+                Ok(Some(AsyncEvent::QpLastWqeReached(qpn))) => self.engine.control.last_wqe(qpn),
                 Ok(Some(AsyncEvent::Port(event, port))) if port == self.opts.port => {
                     let was = &self.res.port;
                     let now = self.dev.port_now(port).ok();
@@ -516,7 +517,9 @@ impl Manager {
                 Command::Discard { ip, qpn } => {
                     tracing::debug!("{ip}: connection QP {qpn} not kept");
                     if let Some(c) = self.parked.remove(&qpn) {
+                        let qp = c.qp.clone();
                         c.close();
+                        self.engine.control.bury(qp);
                     }
                 }
                 Command::SetSetupLimit(n) => self.cm.set_limit(n),
@@ -602,12 +605,16 @@ impl Manager {
         };
         self.watched.insert(qpn, w);
         let tx = self.outcomes_tx.clone();
+        let control = self.engine.control.clone();
         tokio::spawn(async move {
             let gone = tokio::select! {
                 g = c.watch(dead_after / 3, dead_after, &traffic) => Some(g),
                 _ = close_rx => None,
             };
+            // Closed, then held by the engine until drained (engine::graves).
+            let qp = c.qp.clone();
             c.close();
+            control.bury(qp);
             let _ = tx.send(Outcome::Closed { ip, qpn, gone });
         });
     }

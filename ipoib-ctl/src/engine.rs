@@ -54,6 +54,7 @@
 
 mod control;
 mod core;
+pub mod graves;
 
 use std::{
     collections::HashMap,
@@ -111,6 +112,8 @@ struct Io {
     /// The close of each connection whose route is being let go ([`Removal::Draining`]),
     /// held until it is ([`EngineCore::next_released`]).
     closing: HashMap<u32, Vec<Arc<CloseWhenDone>>>,
+    /// Closed QPs on the SRQ, held until drained ([`graves`]).
+    graves: graves::Graves<Arc<RcQueuePair>>,
 }
 
 /// How often flows of gone connections are forgotten, receive totals reported and the
@@ -211,6 +214,7 @@ impl Engine {
                         wcs: Vec::with_capacity(POLL_BATCH),
                         events: None,
                         closing: HashMap::new(),
+                        graves: graves::Graves::default(),
                     },
                     commands,
                     control: control.clone(),
@@ -430,8 +434,37 @@ impl Io {
                     Removal::Draining => self.closing.entry(qpn).or_default().extend(close),
                 }
             }
+            // A QP on its own ring takes its buffers with it: nothing to drain.
+            EngineCommand::Bury(qp) if self.res.recv.srq().is_none() => drop(qp),
+            EngineCommand::Bury(qp) => self.graves.bury(qp),
+            EngineCommand::LastWqe(qpn) => self.graves.last_wqe(qpn),
         }
+        self.post_drains();
         self.tell();
+    }
+
+    /// The drain markers due ([`graves::Graves::due`]) posted; a QP that refuses its marker
+    /// is let go at once.
+    fn post_drains(&mut self) {
+        for qp in self.graves.due() {
+            if let Err(e) = qp.post_drain() {
+                tracing::debug!("drain marker on QP {}: {e}", qp.qpn());
+                if let Some((qp, exit)) = self.graves.refused(qp.qpn()) {
+                    self.let_go(qp, exit);
+                }
+            }
+        }
+    }
+
+    /// A QP out of its grave, counted by how it left, dropped (destroyed once nothing else
+    /// holds it).
+    fn let_go(&self, qp: Arc<RcQueuePair>, exit: graves::Exit) {
+        let stats = self.core.stats();
+        self::core::count(match exit {
+            graves::Exit::Drained => &stats.qps_drained,
+            graves::Exit::TimedOut | graves::Exit::Refused => &stats.qps_undrained,
+        });
+        drop(qp);
     }
 
     /// `ip`'s steering to this lane's queue set (before its route: its packets are read
@@ -465,6 +498,11 @@ impl Io {
             unsafe { send.slot(slot)[..KEEPALIVE_LEN].fill(0) };
             qp.post_send(send, slot, KEEPALIVE_LEN as u32, u64::from(slot))
         });
+        for (qp, exit) in self.graves.housekeeping() {
+            tracing::debug!("QP {} let go undrained", qp.qpn());
+            self.let_go(qp, exit);
+        }
+        self.post_drains();
         self.tell();
     }
 
@@ -503,6 +541,10 @@ impl Io {
                     if let Err(e) = self.on_receive(tun, wc) {
                         result = Err(e);
                         break;
+                    }
+                } else if let Some(qpn) = graves::drain_of(wc.wr_id) {
+                    if let Some((qp, exit)) = self.graves.drained(qpn) {
+                        self.let_go(qp, exit);
                     }
                 } else {
                     self.core.handle_send_done(wc);

@@ -88,6 +88,10 @@ pub struct EngineStats {
     /// Connections the engine tracks sends for (a gauge; those whose connection is gone and
     /// have nothing in flight are forgotten at the next housekeeping).
     pub flows: AtomicU64,
+    /// QPs taken down through their drain marker, and those let go without it (no
+    /// LAST_WQE_REACHED, no marker completion, or a marker refused, within the bounds).
+    pub qps_drained: AtomicU64,
+    pub qps_undrained: AtomicU64,
     /// When the engine's loop last ran its housekeeping (monotonic ns): its proof of life,
     /// renewed every [`HOUSEKEEPING`] while the loop turns. Not a counter: not in snapshots.
     pub alive_ns: AtomicU64,
@@ -179,6 +183,8 @@ pub(super) const COUNTERS: &[(&str, Counter)] = &[
     ("keepalives_sent", |s| &s.keepalives_sent),
     ("keepalives_received", |s| &s.keepalives_received),
     ("flows", |s| &s.flows),
+    ("qps_drained", |s| &s.qps_drained),
+    ("qps_undrained", |s| &s.qps_undrained),
 ];
 
 /// A connection as the engine uses it (the core's tests give it a QP of their own).
@@ -214,6 +220,11 @@ pub enum EngineCommand {
     Fault(Fault),
     /// Answered once every command sent before it has been taken.
     Sync(oneshot::Sender<()>),
+    /// A connection's QP, closed (in the error state): held until drained
+    /// ([`super::graves`]), then let go.
+    Bury(Arc<RcQueuePair>),
+    /// IBV_EVENT_QP_LAST_WQE_REACHED for this QP.
+    LastWqe(u32),
 }
 
 /// How a test breaks the engine, to prove the control loop catches each.
@@ -295,6 +306,20 @@ impl EngineControl {
         for lane in self.0.iter() {
             let close = close.clone();
             let _ = lane.send(EngineCommand::RemoveRoute { ip, qpn, close });
+        }
+    }
+
+    /// `qp`, closed, to the engine of its lane, which holds it until drained.
+    pub fn bury(&self, qp: Arc<RcQueuePair>) {
+        if let Some(lane) = self.0.get(qp.lane() as usize) {
+            let _ = lane.send(EngineCommand::Bury(qp));
+        }
+    }
+
+    /// LAST_WQE_REACHED for `qpn`, to every lane (the one burying it takes it).
+    pub fn last_wqe(&self, qpn: u32) {
+        for lane in self.0.iter() {
+            let _ = lane.send(EngineCommand::LastWqe(qpn));
         }
     }
 

@@ -22,6 +22,10 @@ use super::*;
 /// receive ids ([`super::receive::wr_id`]) never reach it.
 pub const SEND_WR_ID: u64 = 1 << 63;
 
+/// Beside [`SEND_WR_ID`], a drain marker's ([`RcQueuePair::post_drain`]): this bit and the
+/// QP's number.
+pub const DRAIN_WR_ID: u64 = 1 << 62;
+
 /// The status of a work request flushed because its QP was already in error (a completion
 /// that says nothing new of the QP).
 pub const WC_FLUSHED: u32 = ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;

@@ -109,6 +109,12 @@ pub struct RcQueuePair {
     _srq: Option<Arc<SharedReceiveQueue>>,
 }
 
+impl std::fmt::Debug for RcQueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RcQueuePair(QP {})", self.qpn())
+    }
+}
+
 // SAFETY: as Context.
 unsafe impl Send for RcQueuePair {}
 unsafe impl Sync for RcQueuePair {}
@@ -356,6 +362,31 @@ impl RcQueuePair {
         };
         self.ctx().check("ibv_query_qp", rc)?;
         Ok((attr.timeout, attr.path_mtu))
+    }
+
+    /// Posts the drain marker on this QP, in the error state: a zero-length signaled SEND
+    /// (id [`DRAIN_WR_ID`] and the QP's number) that completes flushed after everything the
+    /// QP put on its CQ before it.
+    pub fn post_drain(&self) -> Result<(), VerbsError> {
+        let mut wr = ffi::ibv_send_wr {
+            wr_id: SEND_WR_ID | DRAIN_WR_ID | u64::from(self.qpn()),
+            next: ptr::null_mut(),
+            sg_list: ptr::null_mut(),
+            num_sge: 0,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
+        // SAFETY: valid QP; the request outlives the call and names no memory.
+        let rc = unsafe {
+            let ctx = (*self.qp).context;
+            match (*ctx).ops.post_send {
+                Some(f) => f(self.qp, &mut wr, &mut bad),
+                None => libc::EOPNOTSUPP,
+            }
+        };
+        self.ctx().check("post_send(drain)", rc)
     }
 
     pub fn state(&self) -> Result<QpState, VerbsError> {
