@@ -88,7 +88,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
     };
     let flows = || engine_flows(&a);
     let rounds = if long_run() { 5 } else { 3 };
-    for round in 0..rounds {
+    for round in 0..rounds as u64 {
         for ip in &ips {
             a.wait_peer_mode(ip, PeerModeView::CmUp, Duration::from_secs(30))
                 .unwrap_or_else(|| panic!("round {round}: {ip} not on CM:\n{}", ctl_log(&a)));
@@ -125,6 +125,30 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
             "round {round}: shedding dropped what the engine held (without a connection, sends \
              in error)"
         );
+        if recv == Recv::Srq {
+            // The shed QP taken down through its drain marker (engine::graves), not let go
+            // at a bound.
+            let gone =
+                |cm: &CmStatus| engine_count(cm, "qps_drained") + engine_count(cm, "qps_undrained");
+            let taken = wait_until(Duration::from_secs(10), || gone(&cm_of(&a)) > round);
+            let cm = cm_of(&a);
+            eprintln!(
+                "round {round}: QPs drained {}, let go undrained {}",
+                engine_count(&cm, "qps_drained"),
+                engine_count(&cm, "qps_undrained")
+            );
+            assert!(
+                taken,
+                "round {round}: the shed QP is still held: {:?}",
+                cm.engine
+            );
+            assert_eq!(
+                engine_count(&cm, "qps_undrained"),
+                0,
+                "round {round}: {:?}",
+                cm.engine
+            );
+        }
         for (s, ip) in streams.iter().zip(&ips) {
             let at = s.received();
             assert!(
