@@ -495,6 +495,21 @@ mod tests {
         let b = Msg::Req(with_path()).encode();
         assert_eq!(&b[44..48], &[0x83, 5, 16, 0x12]);
         assert_eq!(&Msg::Req(hello()).encode()[44..48], &[0; 4]);
+        // The largest of each field is one.
+        let mut top = b;
+        top[44..48].copy_from_slice(&[0x8f, 5, 0x3f, 0x3f]);
+        let Ok(Msg::Req(h)) = Msg::decode(&top) else {
+            panic!("{:?}", Msg::decode(&top))
+        };
+        assert_eq!(
+            h.path,
+            Some(PathParams {
+                sl: 15,
+                mtu: 5,
+                rate: 0x3f,
+                packet_life_time: 0x3f
+            })
+        );
         let p = with_path().path.unwrap();
         let r = p.record(7);
         assert_eq!(

@@ -176,6 +176,14 @@ fn a_partition_the_port_is_not_in_fails() {
     // A limited member matches as the kernel matches it (the low 15 bits).
     f.pkeys = vec![("mlx5_0".into(), 1, vec![0x7fff])];
     assert_eq!(find(&judge(&f), "port mlx5_0/1 P_Key").level, Level::Ok);
+    // The table of the interface's own port, not another port's of the same HCA.
+    f.devices = Ok(vec![device("mlx5_0", vec![ib_port(1), ib_port(2)], 1)]);
+    f.pkeys = vec![
+        ("mlx5_0".into(), 1, vec![0xffff]),
+        ("mlx5_0".into(), 2, vec![0x8001]),
+    ];
+    f.iface.as_mut().unwrap().link.as_mut().unwrap().port = 2;
+    assert_eq!(find(&judge(&f), "port mlx5_0/2 P_Key").level, Level::Fail);
 }
 
 #[test]
