@@ -1037,6 +1037,7 @@ fn a_path_record_is_resolved_and_carried_in_the_req() {
     for (i, m) in got.iter().enumerate() {
         assert!(m.data == pattern(i as u32, 1000), "message {i} intact");
     }
-    drop((conn, peer_conn, pa, pb, cma, cmb, a, b));
+    // B's handshake task holds B until its runtime goes.
+    drop((conn, peer_conn, pa, pb, cma, cmb, a, b, rt));
     settle(&dev, &baseline, COUNTED);
 }
