@@ -345,13 +345,16 @@ impl Daemon<'_> {
     }
 
     /// Says in the attach state why connected mode does not run now (None: it runs), for
-    /// `status`; written only when it changes.
+    /// `status`; written only when it changes. The file is read again first: `set-policy`
+    /// writes it too (the budget and the cap), and this loop's copy may be older.
     fn say_down(&mut self, why: Option<String>) {
         if self.att.state.cm_down == why {
             return;
         }
-        self.att.state.cm_down = why;
-        if let Err(e) = attach::write_state(&self.att.state) {
+        self.att.state.cm_down = why.clone();
+        let mut state = attach::read_state(self.iface).unwrap_or_else(|| self.att.state.clone());
+        state.cm_down = why;
+        if let Err(e) = attach::write_state(&state) {
             tracing::warn!("{}: writing the attach state: {e}", self.iface);
         }
     }

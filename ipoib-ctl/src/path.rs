@@ -600,20 +600,21 @@ mod tests {
                 ack_timeout: None,
             }
         );
-        // librdmacm's RoCE route: its own packet lifetime (CMA_IBOE_PACKET_LIFETIME, 16),
-        // SL and DLID as it fills them.
+        // librdmacm's RoCE route as rxe gave it on Debian's 6.1 (in the VM): lifetime 18, hop
+        // limit 64, a DLID that means nothing on Ethernet.
         let rec = PathRecord {
-            dlid: 0,
+            dlid: 326,
             sl: 0,
             mtu: 3,
             rate: 0,
-            packet_life_time: 16,
+            packet_life_time: 18,
             hop_limit: 64,
             traffic_class: 0,
-            flow_label: 0,
+            flow_label: 700_196,
         };
         let r = address_vector(&roce(ROCE_GID_A), &roce(ROCE_GID_B), Some(&rec), 15).unwrap();
-        assert_eq!((r.dlid, r.ack_timeout), (0, Some(17)));
+        assert_eq!((r.dlid, r.ack_timeout), (0, Some(19)));
+        assert_eq!(r.grh.unwrap().flow_label, 700_196);
         assert_eq!(r.grh.unwrap().hop_limit, 64);
     }
 

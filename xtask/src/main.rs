@@ -99,9 +99,6 @@ enum Cmd {
         /// repeat for several.
         #[arg(long, value_name = "SUBSTRING")]
         filter: Vec<String>,
-        /// Show what the tests print (their measurements) even when they pass.
-        #[arg(long)]
-        nocapture: bool,
         /// The slow-machine mode: the VM held to 2/FACTOR CPUs (a cgroup's CPU quota), as
         /// slow as CI's slowest machines (2.5 when given no value).
         #[arg(long, value_name = "FACTOR", num_args = 0..=1, default_missing_value = "2.5")]
@@ -266,7 +263,6 @@ fn main() -> Result<()> {
         Cmd::VmTest {
             targets,
             filter,
-            nocapture,
             slow,
             long,
         } => vm::test(
@@ -274,7 +270,6 @@ fn main() -> Result<()> {
             &vm::Run {
                 targets,
                 filters: filter,
-                nocapture,
                 slow,
                 long,
             },

@@ -106,7 +106,6 @@ pub struct Run {
     pub targets: Vec<String>,
     /// libtest's name filters.
     pub filters: Vec<String>,
-    pub nocapture: bool,
     /// The slow-machine mode's factor ([`CpuCap`]), or None to run at full speed.
     pub slow: Option<f64>,
     /// The long run: the ignored tests too (scenarios on their second receive model), and
@@ -147,10 +146,10 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
     let names: Vec<&str> = bins.iter().map(|(n, _)| n.as_str()).collect();
     let mut seen = Progress::new(&names);
     let t0 = Instant::now();
+    // What each test prints shows as it runs, a failure's message too: a binary killed at
+    // its timeout would take captured output with it.
     let mut args = r.filters.clone();
-    if r.nocapture {
-        args.push("--nocapture".into());
-    }
+    args.push("--nocapture".into());
     if r.long {
         args.push("--include-ignored".into());
     }
@@ -277,6 +276,10 @@ struct Progress {
     binaries: Vec<(String, Duration)>,
     /// Each test's time, as libtest reports it: (binary, test, time).
     tests: Vec<(String, String, Duration)>,
+    /// A test whose line began ("test NAME ... ") and whose result has not come yet: what it
+    /// printed, or the kernel did, came in between (the VM shows each test's output as it
+    /// runs).
+    pending: Option<String>,
 }
 
 impl Progress {
@@ -311,7 +314,14 @@ impl Progress {
         } else if let Some((test, took)) = test_time(line)
             && let Some((bin, _)) = &self.running
         {
+            self.pending = None;
             self.tests.push((bin.clone(), test.to_string(), took));
+        } else if let Some(test) = test_started(line) {
+            self.pending = Some(test.to_string());
+        } else if let Some(took) = result_time(line)
+            && let (Some((bin, _)), Some(test)) = (&self.running, self.pending.take())
+        {
+            self.tests.push((bin.clone(), test, took));
         }
     }
 
@@ -349,6 +359,24 @@ fn test_time(line: &str) -> Option<(&str, Duration)> {
     let (name, rest) = line.strip_prefix("test ")?.split_once(" ... ")?;
     let secs = rest.rsplit_once(" <")?.1.strip_suffix("s>")?;
     Some((name, Duration::try_from_secs_f64(secs.parse().ok()?).ok()?))
+}
+
+/// The test a libtest line begins (`test NAME ... `, the rest of the line anything but its
+/// result: the test's own output, or the kernel's).
+fn test_started(line: &str) -> Option<&str> {
+    let (name, _) = line.strip_prefix("test ")?.split_once(" ... ")?;
+    Some(name)
+}
+
+/// The time of a result that came on a line of its own (`ok <12.345s>`, `FAILED <3.000s>`),
+/// after its test's output.
+fn result_time(line: &str) -> Option<Duration> {
+    let (status, rest) = line.trim().split_once(" <")?;
+    if !matches!(status, "ok" | "FAILED") {
+        return None;
+    }
+    let secs = rest.strip_suffix("s>")?;
+    Duration::try_from_secs_f64(secs.parse().ok()?).ok()
 }
 
 /// Names for a message, "none" for none.
@@ -561,6 +589,19 @@ mod tests {
             (12, "test c ... ok"),
             (13, "test d ... ok <x>"),
             (40, "test e::srq ... ok <28.250s>"),
+            // A test's output, then its result on a line of its own.
+            (
+                41,
+                "test f ... [ 2976.2] hrtimer: interrupt took 21656910 ns",
+            ),
+            (42, "the port up: connected mode on both after 3.4s"),
+            (43, "thread 'f' panicked at tests/x.rs:1:1:"),
+            (44, "FAILED <3.500s>"),
+            // A result with no test begun is nobody's.
+            (45, "ok <9.000s>"),
+            (46, "test g ... "),
+            (47, "ok <x>"),
+            (48, "ignored, the scenario on its second model"),
             (51, "test result: ok. 2 passed; 0 failed"),
         ] {
             p.see(line, s(at));
@@ -576,7 +617,8 @@ mod tests {
             [
                 ("cm", "a", 4.5),
                 ("cm", "b", 3.0),
-                ("hybrid", "e::srq", 28.25)
+                ("hybrid", "e::srq", 28.25),
+                ("hybrid", "f", 3.5)
             ]
         );
         let report = p.report(s(52), None);
@@ -584,10 +626,11 @@ mod tests {
             report,
             "==> VM run: 52 s in all\n\
              \x20      10.0 s  cm (2 tests)\n\
-             \x20      40.0 s  hybrid (1 tests)\n\
+             \x20      40.0 s  hybrid (2 tests)\n\
              ==> the ten slowest tests:\n\
              \x20      28.2 s  hybrid::e::srq\n\
              \x20       4.5 s  cm::a\n\
+             \x20       3.5 s  hybrid::f\n\
              \x20       3.0 s  cm::b\n"
         );
     }
