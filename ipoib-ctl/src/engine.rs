@@ -29,6 +29,11 @@
 //! what the engine holds for the peer has gone over it (what waits, what the TUN device still
 //! holds, the sends in flight; 2 s at most): a demotion loses nothing either.
 //!
+//! Teardown: a closed connection's QP on the SRQ comes back to the engine of its lane, which
+//! holds it until its last completion has been reaped (LAST_WQE_REACHED, then a drain marker:
+//! [`graves`]), so no provider can clean unpolled completions, and the buffers they hold, out
+//! of the CQ at its destroy.
+//!
 //! One turn of the loop does one thing: a batch of TUN reads (each packet posted as it is
 //! read), or completions until the CQ is empty or 20 ms are spent (the sends they
 //! release posted at the end, one chain per QP), or a command, or housekeeping.
