@@ -354,3 +354,27 @@ fn the_event_before_the_burial_counts_and_a_refused_marker_lets_go() {
     assert_eq!(drain_of(DRAIN_WR_ID | 0x1234), Some(0x1234));
     assert_eq!(drain_of(0x1234), None);
 }
+
+/// A grave whose marker is not posted is never let go by a housekeeping, however long it
+/// waits: its marker goes at the next look; an early event is kept through the bound's
+/// housekeepings; the count of graves is what is held.
+#[test]
+fn only_a_posted_marker_times_out_and_an_early_event_lasts_its_bound() {
+    let mut g = Graves::default();
+    g.bury(Plain(5));
+    g.bury(Plain(6));
+    assert_eq!((g.len(), g.is_empty()), (2, false));
+    for _ in 0..3 * GRAVE_HOUSEKEEPINGS {
+        assert!(g.housekeeping().is_empty(), "let go before its marker");
+    }
+    assert_eq!(g.due().len(), 2);
+    g.last_wqe(9);
+    for _ in 0..GRAVE_HOUSEKEEPINGS {
+        g.housekeeping();
+    }
+    g.bury(Plain(9));
+    assert!(
+        g.due().iter().any(|q| q.0 == 9),
+        "an early event forgotten within its bound"
+    );
+}
