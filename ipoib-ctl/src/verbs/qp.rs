@@ -378,15 +378,30 @@ impl RcQueuePair {
             ..Default::default()
         };
         let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
-        // SAFETY: valid QP; the request outlives the call and names no memory.
-        let rc = unsafe {
+        // SAFETY: the request outlives the call and names no memory.
+        let rc = unsafe { self.post_send_raw(&mut wr, &mut bad) };
+        self.ctx().check("post_send(drain)", rc)
+    }
+
+    /// The provider's post_send (verbs.h's `ibv_post_send` is inline: no symbol to bind) for
+    /// the chain at `wr`; its return code, `bad` naming the first request not taken.
+    ///
+    /// # Safety
+    /// `wr` is a valid chain that outlives the call, its SGEs within memory registered on this
+    /// QP's PD.
+    unsafe fn post_send_raw(
+        &self,
+        wr: *mut ffi::ibv_send_wr,
+        bad: &mut *mut ffi::ibv_send_wr,
+    ) -> i32 {
+        // SAFETY: valid QP; the chain as the caller promises.
+        unsafe {
             let ctx = (*self.qp).context;
             match (*ctx).ops.post_send {
-                Some(f) => f(self.qp, &mut wr, &mut bad),
+                Some(f) => f(self.qp, wr, bad),
                 None => libc::EOPNOTSUPP,
             }
-        };
-        self.ctx().check("post_send(drain)", rc)
+        }
     }
 
     pub fn state(&self) -> Result<QpState, VerbsError> {
@@ -500,15 +515,8 @@ impl RcQueuePair {
             }
         }
         let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
-        // SAFETY: valid QP; the chain and its SGEs outlive the call; the region is registered
-        // on this PD.
-        let rc = unsafe {
-            let ctx = (*self.qp).context;
-            match (*ctx).ops.post_send {
-                Some(f) => f(self.qp, base, &mut bad),
-                None => libc::EOPNOTSUPP,
-            }
-        };
+        // SAFETY: the chain and its SGEs outlive the call; the region is registered on this PD.
+        let rc = unsafe { self.post_send_raw(base, &mut bad) };
         if rc == 0 {
             return (n, Ok(()));
         }
