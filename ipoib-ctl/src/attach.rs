@@ -237,15 +237,19 @@ pub fn write_state(state: &AttachState) -> Result<()> {
     crate::files::replace(&path, text.as_bytes()).map_err(io_err("writing", &path))
 }
 
-/// Mounts bpffs at /sys/fs/bpf when nothing is mounted there.
-pub fn ensure_bpffs() -> Result<()> {
+/// Whether bpffs is mounted at /sys/fs/bpf (in this process's mount namespace).
+pub fn bpffs_mounted() -> bool {
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mounted = mounts.lines().any(|l| {
+    mounts.lines().any(|l| {
         let mut f = l.split_whitespace();
         let (_, at, ty) = (f.next(), f.next(), f.next());
         at == Some("/sys/fs/bpf") && ty == Some("bpf")
-    });
-    if mounted {
+    })
+}
+
+/// Mounts bpffs at /sys/fs/bpf when nothing is mounted there.
+pub fn ensure_bpffs() -> Result<()> {
+    if bpffs_mounted() {
         return Ok(());
     }
     let target = c"/sys/fs/bpf";

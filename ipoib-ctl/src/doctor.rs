@@ -165,13 +165,14 @@ fn system(f: &Facts) -> Vec<Check> {
             ),
         ),
     };
+    // attach mounts it where it is not (and says so if it cannot).
     let bpffs = if f.bpffs {
         line("bpffs", Level::Ok, "mounted at /sys/fs/bpf")
     } else {
         line(
             "bpffs",
-            Level::Fail,
-            "not mounted at /sys/fs/bpf: the pins need it (`mount -t bpf bpf /sys/fs/bpf`)",
+            Level::Ok,
+            "not mounted at /sys/fs/bpf yet: attach mounts it there",
         )
     };
     let memlock = match (f.memlock, f.root) {
@@ -501,17 +502,12 @@ pub fn gather(iface: Option<&str>) -> Facts {
             .iter()
             .find(|d| link.is_none_or(|l| l.device == d.name))?;
         let mem = crate::verbs::system_memory();
-        let (node, _) = crate::plan::budget(mem, None);
-        let held: u64 = crate::ledger::shares_now()
-            .unwrap_or_default()
-            .iter()
-            .map(|s| s.bytes)
-            .sum();
+        let node = crate::ledger::node_budget_now(mem);
         let p = crate::plan::plan_for_node(
             &d.limits(),
             mem,
-            node,
-            node.saturating_sub(held),
+            node.budget,
+            node.free,
             None,
             crate::plan::SrqChoice::Auto,
         );
@@ -520,7 +516,7 @@ pub fn gather(iface: Option<&str>) -> Facts {
     let attach = iface.as_ref().and_then(|i| gather_attach(&i.name));
     Facts {
         kernel,
-        bpffs: is_bpffs(Path::new("/sys/fs/bpf")),
+        bpffs: crate::attach::bpffs_mounted(),
         memlock: memlock(),
         // SAFETY: geteuid has no preconditions.
         root: unsafe { libc::geteuid() } == 0,
@@ -570,18 +566,6 @@ fn gather_attach(iface: &str) -> Option<AttachFacts> {
         cm_connections: s.cm.as_ref().map(|c| c.connections as u64),
         cm_down: s.cm_down.clone(),
     })
-}
-
-/// Whether `path` is a mounted BPF filesystem.
-fn is_bpffs(path: &Path) -> bool {
-    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statfs is plain data, all zeroes a valid value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and an out pointer to a statfs.
-    (unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0) && st.f_type as i64 == BPF_FS_MAGIC
 }
 
 /// RLIMIT_MEMLOCK's soft limit; None when unlimited.

@@ -59,6 +59,35 @@ fn this_node() -> io::Result<PathBuf> {
     Ok(Path::new(LEDGER_DIR).join(id))
 }
 
+/// The node's budget as one more attach would find it now ([`node_budget_now`]).
+pub struct NodeNow {
+    pub budget: u64,
+    /// Where the budget came from.
+    pub source: String,
+    /// What the running attaches leave free of it.
+    pub free: u64,
+    /// What each of them holds.
+    pub shares: Vec<Share>,
+}
+
+/// The node's budget as one more attach would find it now, for a machine of `mem` bytes: the
+/// automatic rule's, or a running attach's smaller `--node-memory-budget`.
+pub fn node_budget_now(mem: u64) -> NodeNow {
+    let (node, source) = crate::plan::budget(mem, None);
+    let shares = shares_now().unwrap_or_default();
+    let held: u64 = shares.iter().map(|s| s.bytes).sum();
+    let (budget, source) = match shares.iter().map(|s| s.node_budget).min() {
+        Some(set) if set < node => (set, "a running attach's --node-memory-budget".to_string()),
+        _ => (node, source),
+    };
+    NodeNow {
+        budget,
+        source,
+        free: budget.saturating_sub(held),
+        shares,
+    }
+}
+
 /// The live shares of this node's ledger, read without joining it (for `caps`); none when no
 /// interface holds a share.
 pub fn shares_now() -> io::Result<Vec<Share>> {

@@ -478,16 +478,14 @@ fn caps(json: bool, memory_budget: Option<&str>, srq: SrqChoice) -> Result<()> {
     };
     let devices = verbs::discover()?;
     let mem = verbs::system_memory();
-    // The node's budget, shared by its attached interfaces: the automatic rule's, and what
-    // each running attach holds of it now. The plan is what one more attach would make.
-    let (node, node_source) = plan::budget(mem, None);
-    let shares = ipoib_ctl::ledger::shares_now().unwrap_or_default();
-    let held: u64 = shares.iter().map(|s| s.bytes).sum();
-    let (node, node_source) = match shares.iter().map(|s| s.node_budget).min() {
-        Some(set) if set < node => (set, "a running attach's --node-memory-budget".to_string()),
-        _ => (node, node_source),
-    };
-    let free = node.saturating_sub(held);
+    // The node's budget, shared by its attached interfaces. The plan is what one more attach
+    // would make.
+    let ipoib_ctl::ledger::NodeNow {
+        budget: node,
+        source: node_source,
+        free,
+        shares,
+    } = ipoib_ctl::ledger::node_budget_now(mem);
     let planned: Vec<_> = devices
         .iter()
         .map(|d| {
