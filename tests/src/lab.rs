@@ -161,16 +161,12 @@ impl Node {
         mode: PeerModeView,
         within: Duration,
     ) -> Option<PeerView> {
-        let t = Instant::now();
-        while t.elapsed() < within {
-            if let Ok(Some(p)) = self.peer(peer)
-                && p.mode == mode
-            {
-                return Some(p);
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        None
+        let mut found = None;
+        crate::pace::wait_until(within, || {
+            found = self.peer(peer).ok().flatten().filter(|p| p.mode == mode);
+            found.is_some()
+        });
+        found
     }
 
     /// ifindex of `iface` in this namespace.
@@ -369,6 +365,7 @@ impl Lab {
         // Loading the programs and setting up connected mode (registering the receive buffers)
         // take seconds under software emulation: seen 11 s for the load alone in the VM.
         let deadline = Instant::now() + Duration::from_secs(60);
+        let mut looks = crate::pace::Looks::new(Duration::from_millis(100));
         loop {
             let seen = match n.status() {
                 Ok(s) if s.loop_running && !s.failsafe_active && s.loop_pid == Some(pid) => {
@@ -389,7 +386,7 @@ impl Lab {
                     process_state(pid)
                 );
             }
-            std::thread::sleep(Duration::from_millis(100));
+            looks.rest();
         }
     }
 

@@ -6,6 +6,7 @@ pub mod cmlab;
 pub mod lab;
 pub mod lanes;
 pub mod notify;
+pub mod pace;
 pub mod perftest;
 pub mod programs;
 pub mod sim;

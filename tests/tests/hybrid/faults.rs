@@ -304,6 +304,7 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
     let stream = Stream::start(&b, &a, 5351);
     let mut peak = (0u64, 0u64, 0u64, 0u64);
     let mut on_cm_at = None;
+    let mut looks = Looks::new(Duration::from_millis(200));
     while Instant::now() < until + Duration::from_secs(15) && on_cm_at.is_none() {
         let cm = cm_of(&a);
         let (rss, fds) = rss_and_fds(pid_a);
@@ -319,7 +320,7 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
         {
             on_cm_at = Some(start.elapsed());
         }
-        std::thread::sleep(Duration::from_millis(200));
+        looks.rest();
     }
     let report = flooder.join().expect("flooder");
     let cm = cm_of(&a);
@@ -577,6 +578,7 @@ fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
     let t = Instant::now();
     let heartbeat = Duration::from_secs(3);
     let mut samples = 0;
+    let mut looks = Looks::new(Duration::from_millis(250));
     while t.elapsed() < 4 * heartbeat {
         if let Some(now) = read_status(&a.iface) {
             samples += 1;
@@ -593,7 +595,7 @@ fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
                 ctl_log(&b)
             );
         }
-        std::thread::sleep(Duration::from_millis(250));
+        looks.rest();
     }
     let after = cm_of(&a);
     nft(&b, "delete table inet hs");
@@ -734,6 +736,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     // The map changes at once; the policy's view is written into the status once a tick.
     let b_addr: std::net::IpAddr = b.ip4.into();
     let t = Instant::now();
+    let mut looks = Looks::new(Duration::from_millis(100));
     let failed = loop {
         let s = read_status(&a.iface);
         let p = s
@@ -744,7 +747,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         {
             break (s.clone(), p);
         }
-        std::thread::sleep(Duration::from_millis(100));
+        looks.rest();
     };
     let (cm, why) = failed;
     eprintln!(

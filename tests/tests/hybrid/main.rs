@@ -36,6 +36,7 @@ use ipoib_tests::{
     cmlab::{COUNTED, LinkUp, device, in_netns, rdma_netdev, rdma_resources, set_link, settle},
     lab::{Lab, Node, Which, lab_unavailable},
     long_run,
+    pace::{Looks, wait_until},
 };
 
 /// `n`'s connected mode, which must run.
@@ -356,20 +357,6 @@ fn idle_half_seconds(samples: &[(Instant, u64)]) -> Vec<(Duration, Duration)> {
     idle
 }
 
-/// Polls `done` every 100 ms until it holds or `within` has passed; whether it held.
-fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    loop {
-        if done() {
-            return true;
-        }
-        if t.elapsed() >= within {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// After a fault sent `peer` to UD at A (`fell`: A's entry then), the flow goes on over UD:
 /// more than 1 MiB, looked at after 3 s and then until 15 s. Not sooner than 3 s (the tests
 /// go on to their next step no earlier than they always did), and up to 15: what the fault
@@ -522,13 +509,20 @@ fn attach_node(lab: &mut Lab, n: &Node, recv: Recv, dev: &str, extra: &[&str]) -
 
 /// `rdma resource show mr -j` for the process `pid`: its memory regions' (count, bytes).
 fn mrs_of(pid: u32) -> (u64, u64) {
+    mrs_of_each([pid])[0]
+}
+
+/// [`mrs_of`] for several processes from one `rdma` call (each takes seconds under emulation).
+fn mrs_of_each<const N: usize>(pids: [u32; N]) -> [(u64, u64); N] {
     let out = ipoib_tests::programs::sh(&["rdma", "resource", "show", "mr", "-j"]);
     let mrs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("rdma -j");
-    mrs.iter()
-        .filter(|m| m["pid"].as_u64() == Some(u64::from(pid)))
-        .fold((0, 0), |(n, b), m| {
-            (n + 1, b + m["mrlen"].as_u64().unwrap_or(0))
-        })
+    pids.map(|pid| {
+        mrs.iter()
+            .filter(|m| m["pid"].as_u64() == Some(u64::from(pid)))
+            .fold((0, 0), |(n, b), m| {
+                (n + 1, b + m["mrlen"].as_u64().unwrap_or(0))
+            })
+    })
 }
 
 /// A policy file for `attach --policy`, removed when dropped.

@@ -119,6 +119,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
     let held = |n: &Node| read_status(&n.iface).map(|s| s.connections as u64);
     // The last value read (a file caught mid-write does not parse).
     let mut at_a = 0;
+    let mut looks = Looks::new(Duration::from_millis(100));
     while t.elapsed() < Duration::from_secs(window) {
         at_a = held(&a).unwrap_or(at_a);
         let qps = rdma_resources(&dev).get("qp").copied().unwrap_or(0) - qp_base;
@@ -138,7 +139,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
         if mid.is_empty() && t.elapsed() > Duration::from_secs(mid_at) {
             mid = streams.iter().map(Stream::received).collect();
         }
-        std::thread::sleep(Duration::from_millis(100));
+        looks.rest();
     }
     let cm = cm_of(&a);
     eprintln!(

@@ -42,7 +42,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     let b_ip = b.ip4.to_string();
     let tun_a = cm_of(&a).tun;
     // The kernel's view of each node's memory regions with no connection.
-    let (mrs_a, mrs_b) = (mrs_of(pid_a), mrs_of(pid_b));
+    let [mrs_a, mrs_b] = mrs_of_each([pid_a, pid_b]);
 
     let stream = Stream::start(&a, &b, 5301);
     // Promotion: B becomes cm_up at A within a few ticks of the flow starting.
@@ -201,7 +201,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     assert!(reaped, "not reaped: A {:#?}\nB {:#?}", cm_of(&a), cm_of(&b));
     let qps_now = || rdma_resources(&dev).get("qp").copied();
     wait_until(Duration::from_secs(5), || {
-        qps_now() == baseline.get("qp").copied() && mrs_of(pid_a) == mrs_a && mrs_of(pid_b) == mrs_b
+        qps_now() == baseline.get("qp").copied() && mrs_of_each([pid_a, pid_b]) == [mrs_a, mrs_b]
     });
     assert_eq!(
         qps_now(),
@@ -209,8 +209,8 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
         "a reaped connection's QP lingers"
     );
     assert_eq!(
-        (mrs_of(pid_a), mrs_of(pid_b)),
-        (mrs_a, mrs_b),
+        mrs_of_each([pid_a, pid_b]),
+        [mrs_a, mrs_b],
         "a reaped ring lingers"
     );
     // Detach A: its control loop stops connected mode and A's TUN device goes; B says A is

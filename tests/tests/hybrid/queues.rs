@@ -307,6 +307,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let (mut went_ud, mut b_failsafe) = (false, false);
     let mut taken: Option<Instant> = None;
     let t = Instant::now();
+    let mut looks = Looks::new(Duration::from_millis(100));
     while taken.is_none_or(|at| at.elapsed() < Duration::from_secs(3)) {
         went_ud |= a
             .peer(&b_ip)
@@ -320,7 +321,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
             taken.is_some() || t.elapsed() < Duration::from_secs(15),
             "B did not take the fault in 15 s"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        looks.rest();
     }
     let back = a
         .wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(10))

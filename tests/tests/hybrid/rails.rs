@@ -148,9 +148,10 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
 /// The node's budget shared by two rails: A's two loops (rings per connection) are given a node
 /// budget of one ring (`--node-memory-budget 4MiB`); a stream on each rail wants CM. One rail
 /// gets the ring, the other stays on UD (its setup refused for want of memory, before anything
-/// is allocated); the kernel's view of both loops' receive regions, sampled as fast as it can
-/// be read (`rdma` takes seconds under emulation), never shows more than one ring. Then A's loop on the rail that holds it is killed: the
-/// other rail takes the ring after its backoff and goes CM. Both streams intact.
+/// is allocated); the kernel's view of both loops' receive regions, sampled until then and
+/// while the other rail takes the ring, never shows more than one ring. Then A's loop on the
+/// rail that holds it is killed: the other rail takes the ring after its backoff and goes CM.
+/// Both streams intact.
 #[test]
 fn two_rails_share_the_nodes_budget() {
     let test = "two_rails_share_the_nodes_budget";
@@ -164,14 +165,12 @@ fn two_rails_share_the_nodes_budget() {
     let node = cm_of(&a1).node;
     assert_eq!(node.budget_bytes, 4 << 20, "{node:?}");
     // Each loop's regions at rest (its send slots): what comes on top are rings.
-    let rest = [(pid_a0, mrs_of(pid_a0)), (pid_a1, mrs_of(pid_a1))];
-    let rings_now = |live: &[u32]| {
-        rest.iter()
-            .filter(|(pid, _)| live.contains(pid))
-            .fold((0, 0), |(r, b), (pid, (n0, b0))| {
-                let (n, bytes) = mrs_of(*pid);
-                (r + n - n0, b + bytes - b0)
-            })
+    let rest = mrs_of_each([pid_a0, pid_a1]);
+    let rings_now = |live: [bool; 2]| {
+        let now = mrs_of_each([pid_a0, pid_a1]);
+        (0..2).filter(|i| live[*i]).fold((0, 0), |(r, b), i| {
+            (r + now[i].0 - rest[i].0, b + now[i].1 - rest[i].1)
+        })
     };
     let by_rail = [
         (&a0, b0.ip4.to_string(), pid_a0),
@@ -181,35 +180,55 @@ fn two_rails_share_the_nodes_budget() {
     let s1 = Stream::start(&a1, &b1, 5371);
     let mut samples = 0;
     let mut held_by = None;
+    // Sampled until one rail holds the ring and the other was refused one; no longer, since
+    // each refusal lengthens the loser's backoff, and with it the wait for the freed ring. The
+    // bound is the test's, not the product's: a promotion takes seconds, more on a slow machine.
+    let mut looks = Looks::new(Duration::from_millis(200));
     let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(10) {
-        let (rings, bytes) = rings_now(&[pid_a0, pid_a1]);
+    let won = loop {
+        let (rings, bytes) = rings_now([true, true]);
         assert!(
             rings <= 1 && bytes <= 4 << 20,
             "A holds {rings} rings, {bytes} B: over the node's budget"
         );
         samples += 1;
+        let now = by_rail.each_ref().map(|(n, _, _)| n.status().unwrap());
         let up: Vec<usize> = (0..2)
             .filter(|i| {
-                let (n, peer, _) = &by_rail[*i];
-                n.peer(peer)
-                    .unwrap()
-                    .is_some_and(|p| p.mode == PeerModeView::CmUp)
+                now[*i]
+                    .peers
+                    .iter()
+                    .any(|p| p.addr == by_rail[*i].1 && p.mode == PeerModeView::CmUp)
             })
             .collect();
         assert!(up.len() <= 1, "both rails on CM with one ring");
         held_by = held_by.or(up.first().copied());
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let won = held_by.expect("neither rail got the node's one ring");
+        let refused = |won: usize| {
+            now[1 - won]
+                .cm
+                .as_ref()
+                .map_or(0, |c| c.receive.rings_refused)
+        };
+        match held_by {
+            Some(won) if refused(won) > 0 => break won,
+            _ => assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "in 120 s, no rail held the node's one ring while the other was refused one \
+                 (held by: {held_by:?})\nrail 0: {:#?}\nrail 1: {:#?}",
+                cm_of(&a0),
+                cm_of(&a1)
+            ),
+        }
+        looks.rest();
+    };
     let lost = 1 - won;
-    let (n_lost, peer_lost, pid_lost) = &by_rail[lost];
+    let (n_lost, peer_lost, _) = &by_rail[lost];
     let refused = cm_of(n_lost).receive.rings_refused;
     eprintln!(
         "rail {won} holds the ring; rail {lost} refused {refused} times; {samples} samples of \
-         A's regions, never over one ring"
+         A's regions in {:.1?}, never over one ring",
+        t.elapsed()
     );
-    assert!(refused > 0, "rail {lost} never asked for a ring");
     // UD, or cm_pending while a retry after its backoff asks for a ring again.
     assert_ne!(
         n_lost.peer(peer_lost).unwrap().unwrap().mode,
@@ -220,7 +239,7 @@ fn two_rails_share_the_nodes_budget() {
     rails.lab.kill9(by_rail[won].2);
     let t = Instant::now();
     let back = wait_until(Duration::from_secs(45), || {
-        let (rings, bytes) = rings_now(&[*pid_lost]);
+        let (rings, bytes) = rings_now([lost == 0, lost == 1]);
         assert!(rings <= 1 && bytes <= 4 << 20, "over the budget: {rings}");
         n_lost
             .peer(peer_lost)
