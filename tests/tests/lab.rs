@@ -732,7 +732,9 @@ fn lab_demo_leaves_nothing_behind_on_ctrl_c() {
         .spawn()
         .unwrap();
     let pins = std::path::Path::new("/sys/fs/bpf/ipoib/demoa0");
-    let up = wait_until(Duration::from_secs(30), || {
+    // The test's bound, not the product's: the demo's first attach loads the programs, 35 s
+    // under the VM's slow-machine mode (a 30 s bound failed there).
+    let up = wait_until(Duration::from_secs(120), || {
         pins.exists() && std::path::Path::new("/run/netns/ipoib-lab-demo-b").exists()
     });
     assert!(up, "the demo did not come up");
@@ -808,11 +810,12 @@ fn systemd_hears_ready_after_attach_and_a_watchdog_while_the_loop_turns() {
         if let Some(m) = sock.wait_for("READY=1", start, Duration::from_millis(20)) {
             break m;
         }
-        if start.elapsed() > Duration::from_secs(60) {
+        // The test's bound: READY came 35 s after the start in the slow-machine mode.
+        if start.elapsed() > Duration::from_secs(120) {
             let _ = child.kill();
             let out = child.wait_with_output().unwrap();
             panic!(
-                "no READY=1 within 60 s; heard {:?}; its log:\n{}",
+                "no READY=1 within 120 s; heard {:?}; its log:\n{}",
                 sock.messages(),
                 String::from_utf8_lossy(&out.stderr)
             );

@@ -32,8 +32,10 @@ fn a_shed_connection_drops_nothing_its_engine_held(recv: Recv) {
 
 /// [`a_shed_connection_drops_nothing_its_engine_held`] with A on two engine lanes: each
 /// connection on a lane of its own (the lane with the fewest QPs), so the shed one's route is
-/// let go by its lane while the other lane, told the same, lets go at once.
+/// let go by its lane while the other lane, told the same, lets go at once. Under `--long`:
+/// the suite sheds on one lane, the default, and the engine's own tests run two lanes.
 #[test]
+#[ignore = "long: cargo xtask vm-test --long (the suite sheds on one lane)"]
 fn a_shed_connection_on_two_lanes_drops_nothing_its_engine_held() {
     shed_under_flows(Recv::Srq, 2);
 }
@@ -94,8 +96,17 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
                 .unwrap_or_else(|| panic!("round {round}: {ip} not on CM:\n{}", ctl_log(&a)));
         }
         let on_cm = counts(&cm_of(&a));
-        std::thread::sleep(Duration::from_secs(2));
-        let before = counts(&cm_of(&a));
+        // Shed only once the engine holds something to lose: packets waiting for a window.
+        // Two seconds of the streams gave some at full speed, none once on the slow VM.
+        let pressed = Instant::now();
+        let before = loop {
+            std::thread::sleep(Duration::from_secs(2));
+            let now = counts(&cm_of(&a));
+            if now[2] > on_cm[2] || pressed.elapsed() > Duration::from_secs(30) {
+                break now;
+            }
+        };
+        let pressed = pressed.elapsed();
         cap(1);
         // One connection closed, its flow forgotten once the engine let it go.
         assert!(
@@ -108,8 +119,8 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
         let waits = before[2] - on_cm[2];
         eprintln!(
             "round {round}: across the shedding: {} dropped as without a connection, {} sends \
-             in error ({} packets sent over connections meanwhile); in the 2 s before it, \
-             {waits} of {} packets waited for a window",
+             in error ({} packets sent over connections meanwhile); in the {pressed:.1?} before \
+             it, {waits} of {} packets waited for a window",
             d[0],
             d[1],
             d[3],
