@@ -117,23 +117,37 @@ impl Device {
         }))
     }
 
-    /// This port's address as a connection needs it: LID, active MTU and the GID at
-    /// `gid_index`.
-    pub fn port_address(&self, port: u8, gid_index: u8) -> Result<PortAddress, VerbsError> {
+    /// The port's attributes: one ibv_query_port, which each question below asks once.
+    fn port_attr(&self, port: u8) -> Result<ffi::ibv_port_attr, VerbsError> {
         let mut pa = ffi::ibv_port_attr::default();
         // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
         let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
         self.ctx.check("ibv_query_port", rc)?;
+        Ok(pa)
+    }
+
+    /// The GID at `index` of the port's table (all zero where none is set).
+    fn gid(&self, port: u8, index: u8) -> Result<[u8; 16], VerbsError> {
         let mut gid = ffi::ibv_gid { raw: [0; 16] };
         // SAFETY: valid context and out pointer.
-        let rc = unsafe { ffi::ibv_query_gid(self.ctx.ctx, port, gid_index as i32, &mut gid) };
+        let rc = unsafe { ffi::ibv_query_gid(self.ctx.ctx, port, i32::from(index), &mut gid) };
         self.ctx.check("ibv_query_gid", rc)?;
+        // SAFETY: raw is the union's plain-bytes view.
+        Ok(unsafe { gid.raw })
+    }
+
+    /// A port's address from its attributes and one GID of it.
+    fn address(
+        &self,
+        port: u8,
+        pa: &ffi::ibv_port_attr,
+        (gid, gid_index): ([u8; 16], u8),
+    ) -> Result<PortAddress, VerbsError> {
         Ok(PortAddress {
             port,
             state: PortState::from_raw(pa.state),
             lid: pa.lid,
-            // SAFETY: raw is the union's plain-bytes view.
-            gid: unsafe { gid.raw },
+            gid,
             gid_index,
             active_mtu: pa.active_mtu,
             link_layer: link_layer(pa.link_layer),
@@ -142,31 +156,36 @@ impl Device {
         })
     }
 
+    /// The first GID of the port's table that is set, and its index (on RoCE the GIDs follow
+    /// the netdev's IP addresses, so index 0 may be empty).
+    fn first_gid(
+        &self,
+        port: u8,
+        pa: &ffi::ibv_port_attr,
+    ) -> Result<Option<([u8; 16], u8)>, VerbsError> {
+        // GID indexes are a u8 in the address vector; a table longer than 256 is cut there.
+        for index in 0..pa.gid_tbl_len.clamp(0, 256) {
+            let gid = self.gid(port, index as u8)?;
+            if gid != [0; 16] {
+                return Ok(Some((gid, index as u8)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// This port's address as a connection needs it: LID, active MTU and the GID at
+    /// `gid_index`.
+    pub fn port_address(&self, port: u8, gid_index: u8) -> Result<PortAddress, VerbsError> {
+        let pa = self.port_attr(port)?;
+        self.address(port, &pa, (self.gid(port, gid_index)?, gid_index))
+    }
+
     /// The port as connected mode's readiness needs it: its state, and its first GID that is
     /// set ([`Device::first_address`]) or a zero GID where none is (RoCE with no address).
     pub fn port_now(&self, port: u8) -> Result<PortAddress, VerbsError> {
-        match self.first_address(port) {
-            Err(VerbsError::Query { what, .. }) if what == NO_GID => {
-                let mut pa = ffi::ibv_port_attr::default();
-                // SAFETY: valid context; the compat symbol takes the full struct.
-                let rc = unsafe {
-                    ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast())
-                };
-                self.ctx.check("ibv_query_port", rc)?;
-                Ok(PortAddress {
-                    port,
-                    state: PortState::from_raw(pa.state),
-                    lid: pa.lid,
-                    gid: [0; 16],
-                    gid_index: 0,
-                    active_mtu: pa.active_mtu,
-                    link_layer: link_layer(pa.link_layer),
-                    pkey_index: 0,
-                    ca_ack_delay: 0,
-                })
-            }
-            r => r,
-        }
+        let pa = self.port_attr(port)?;
+        let gid = self.first_gid(port, &pa)?.unwrap_or(([0; 16], 0));
+        self.address(port, &pa, gid)
     }
 
     /// How many physical ports the device has.
@@ -184,10 +203,7 @@ impl Device {
 
     /// The port's P_Key table, in host order (ibv_query_pkey answers in network order).
     pub fn pkey_table(&self, port: u8) -> Result<Vec<u16>, VerbsError> {
-        let mut pa = ffi::ibv_port_attr::default();
-        // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
-        let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
-        self.ctx.check("ibv_query_port", rc)?;
+        let pa = self.port_attr(port)?;
         (0..i32::from(pa.pkey_tbl_len))
             .map(|i| {
                 let mut raw = 0u16;
@@ -203,18 +219,11 @@ impl Device {
     /// The port's address with the first GID that is set (on RoCE the GIDs follow the
     /// netdev's IP addresses, so index 0 may be empty).
     pub fn first_address(&self, port: u8) -> Result<PortAddress, VerbsError> {
-        let mut pa = ffi::ibv_port_attr::default();
-        // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
-        let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
-        self.ctx.check("ibv_query_port", rc)?;
-        // GID indexes are a u8 in the address vector; a table longer than 256 is cut there.
-        for idx in 0..pa.gid_tbl_len.clamp(0, 256) {
-            let a = self.port_address(port, idx as u8)?;
-            if a.gid != [0; 16] {
-                return Ok(a);
-            }
+        let pa = self.port_attr(port)?;
+        match self.first_gid(port, &pa)? {
+            Some(gid) => self.address(port, &pa, gid),
+            None => Err(self.err(NO_GID, io::Error::from(io::ErrorKind::AddrNotAvailable))),
         }
-        Err(self.err(NO_GID, io::Error::from(io::ErrorKind::AddrNotAvailable)))
     }
 
     /// The limits the memory plan needs (one ibv_query_device; `discover` reads every
