@@ -1,8 +1,9 @@
-//! What the benchmarks share: the machine's busy CPU time and the median of rounds.
+//! What the benchmarks share: the machine's busy CPU time, the median of rounds, and running
+//! the commands that build their devices.
 
-use std::path::Path;
+use std::{path::Path, process::Command};
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Context as _, Result, bail, ensure};
 
 /// /proc/stat's unit (USER_HZ): ticks per second.
 pub const TICKS_PER_S: f64 = 100.0;
@@ -112,6 +113,46 @@ pub fn publish(result: &serde_json::Value, out: Option<&Path>) -> Result<()> {
         std::fs::write(out, format!("{result}\n"))
             .with_context(|| format!("saving {}", out.display()))?;
         println!("==> saved {}", out.display());
+    }
+    Ok(())
+}
+
+/// Runs `args` (a program and its arguments); its stderr is the error when it fails.
+pub fn sh(args: &[&str]) -> Result<()> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .with_context(|| format!("running {}", args[0]))?;
+    if !out.status.success() {
+        bail!(
+            "{}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// That `ethtool -k` shows `dev` with `features` (pairs of short name and on|off) as asked:
+/// a stand-in whose offloads did not change would measure something else.
+pub fn check_features(ns: &str, dev: &str, features: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "ethtool", "-k", dev])
+        .output()
+        .context("ethtool -k")?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    for kv in features.chunks(2) {
+        let long = match kv[0] {
+            "tso" => "tcp-segmentation-offload",
+            "gso" => "generic-segmentation-offload",
+            "gro" => "generic-receive-offload",
+            other => bail!("no long name known for feature {other}"),
+        };
+        let want = format!("{long}: {}", kv[1]);
+        ensure!(
+            shown.lines().any(|l| l.trim_start().starts_with(&want)),
+            "{dev} in {ns}: asked for {want}, ethtool -k shows:\n{shown}"
+        );
     }
     Ok(())
 }

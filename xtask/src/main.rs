@@ -208,6 +208,20 @@ enum Bench {
         #[arg(long, default_value_t = 4)]
         streams: u32,
     },
+    /// The receive hook for IPoIB (root): TCP through a veth with GRO, forced into generic
+    /// XDP, against a TC ingress program and no program, at MTU 2044 and 4092, interleaved:
+    /// Gbit/s and CPU seconds per GB. On this machine's kernel, or with --vm on the VM's 6.1.
+    Hook {
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 5)]
+        seconds: u32,
+        /// Interleaved rounds; the median is reported.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// In the VM (Debian's 6.1 under emulation) instead of on this machine's kernel.
+        #[arg(long)]
+        vm: bool,
+    },
     /// Connected mode's once-a-second tick (the promotion policy and what the node holds) at
     /// thousands of peers, release build: median, p99 and slowest tick.
     Tick {
@@ -322,6 +336,38 @@ fn main() -> Result<()> {
                     streams,
                 },
         } => bench_hop(&root, seconds, rounds, streams),
+        Cmd::Bench {
+            what:
+                Bench::Hook {
+                    seconds,
+                    rounds,
+                    vm,
+                },
+        } => {
+            let args = vec![
+                "--seconds".to_string(),
+                seconds.to_string(),
+                "--rounds".into(),
+                rounds.to_string(),
+            ];
+            if vm {
+                bench_in_vm(&root, "bench-hook", &args, "hook-vm.json")
+            } else {
+                if !is_root() {
+                    bail!("this benchmark needs root (network namespaces, veth, eBPF)");
+                }
+                provision::run(provision::Scope::default())?;
+                let out = root.join("target/bench/hook.json");
+                cargo(&root)
+                    .args(["run", "--release", "-q", "-p", "ipoib-tests", "--bin"])
+                    .arg("bench-hook")
+                    .arg("--")
+                    .args(&args)
+                    .arg("--out")
+                    .arg(&out)
+                    .status_ok("bench-hook")
+            }
+        }
         Cmd::Bench {
             what: Bench::Tick { peers, plan, ticks },
         } => cargo(&root)

@@ -38,11 +38,11 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 use clap::Parser;
 use ipoib_ctl::tun::{TUN_READ_MAX, Tun};
 use ipoib_tests::{
-    bench::{TICKS_PER_S, busy_ticks, median, publish, stat_ticks},
+    bench::{TICKS_PER_S, busy_ticks, check_features, median, publish, sh, stat_ticks},
     cmlab::in_netns,
 };
 use serde_json::json;
@@ -200,45 +200,6 @@ fn relay(from: Arc<Tun>, to: Arc<Tun>, copy: bool, stop: Arc<AtomicBool>, moved:
             Err(_) => return,
         }
     }
-}
-
-fn sh(args: &[&str]) -> Result<()> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .with_context(|| format!("running {}", args[0]))?;
-    if !out.status.success() {
-        bail!(
-            "{}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-/// That `ethtool -k` shows `dev` with `features` (pairs of short name and on|off) as asked:
-/// a stand-in whose offloads did not change would measure something else.
-fn check_features(ns: &str, dev: &str, features: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns, "ethtool", "-k", dev])
-        .output()
-        .context("ethtool -k")?;
-    let shown = String::from_utf8_lossy(&out.stdout);
-    for kv in features.chunks(2) {
-        let long = match kv[0] {
-            "tso" => "tcp-segmentation-offload",
-            "gso" => "generic-segmentation-offload",
-            "gro" => "generic-receive-offload",
-            other => bail!("no long name known for feature {other}"),
-        };
-        let want = format!("{long}: {}", kv[1]);
-        ensure!(
-            shown.lines().any(|l| l.trim_start().starts_with(&want)),
-            "{dev} in {ns}: asked for {want}, ethtool -k shows:\n{shown}"
-        );
-    }
-    Ok(())
 }
 
 /// Two namespaces joined by one path, with an iperf3 server in the second; the namespaces
