@@ -89,6 +89,13 @@ impl CpuCap {
         }
     }
 
+    /// How much of the run the VM wanted more CPU than its quota: the share of the quota's
+    /// periods in which the cgroup was throttled (its cpu.stat, v1 and v2 alike). Near 1, the
+    /// run waited on the CPU, not on the clock.
+    pub fn throttled(&self) -> Option<f64> {
+        throttled_share(&std::fs::read_to_string(self.dir.join("cpu.stat")).ok()?)
+    }
+
     pub fn describe(&self) -> String {
         format!(
             "slow-machine mode: the VM held to {:.2} CPUs ({}x slower, cgroup {})",
@@ -112,6 +119,21 @@ impl Drop for CpuCap {
     }
 }
 
+/// `nr_throttled / nr_periods` of a cgroup's cpu.stat; None before its first period.
+pub fn throttled_share(stat: &str) -> Option<f64> {
+    let field = |name: &str| {
+        stat.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+    };
+    let periods = field("nr_periods").filter(|p| *p > 0)?;
+    Some(field("nr_throttled")? as f64 / periods as f64)
+}
+
 fn write(path: &Path, value: &str) -> Result<()> {
     std::fs::write(path, value).with_context(|| format!("writing {value} to {}", path.display()))
 }
@@ -125,6 +147,20 @@ mod tests {
         assert_eq!(quota_us(2, 2.5), 80_000);
         assert_eq!(quota_us(2, 2.0), 100_000);
         assert_eq!(quota_us(1, 4.0), 25_000);
+    }
+
+    #[test]
+    fn the_throttled_share_is_read_from_cpu_stat() {
+        // As cgroup v1 printed it through a rails test in the slow mode.
+        let v1 = "nr_periods 1313\nnr_throttled 1302\nthrottled_time 108100580388\n\
+                  nr_bursts 0\nburst_time 0\n";
+        assert_eq!(throttled_share(v1), Some(1302.0 / 1313.0));
+        let v2 = "usage_usec 5000\nuser_usec 4000\nsystem_usec 1000\nnr_periods 10\n\
+                  nr_throttled 5\nthrottled_usec 100\n";
+        assert_eq!(throttled_share(v2), Some(0.5));
+        assert_eq!(throttled_share("nr_periods 0\nnr_throttled 0\n"), None);
+        assert_eq!(throttled_share("nr_throttled 3\n"), None);
+        assert_eq!(throttled_share("nr_periods 4\n"), None);
     }
 
     #[test]

@@ -335,8 +335,14 @@ impl Progress {
         let mut out = format!(
             "==> VM run: {:.0} s in all{}\n",
             total.as_secs_f64(),
-            cap.map(|c| format!(" ({})", c.describe()))
-                .unwrap_or_default()
+            cap.map(|c| {
+                let throttled = c
+                    .throttled()
+                    .map(|t| format!("; throttled in {:.0}% of its periods", t * 100.0))
+                    .unwrap_or_default();
+                format!(" ({}{throttled})", c.describe())
+            })
+            .unwrap_or_default()
         );
         for (bin, took) in &self.binaries {
             let n = self.tests.iter().filter(|(b, ..)| b == bin).count();
