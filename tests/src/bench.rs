@@ -1,7 +1,11 @@
 //! What the benchmarks share: the machine's busy CPU time, the median of rounds, and running
 //! the commands that build their devices.
 
-use std::{path::Path, process::Command};
+use std::{
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, bail, ensure};
 
@@ -135,7 +139,7 @@ pub fn sh(args: &[&str]) -> Result<()> {
 
 /// That `ethtool -k` shows `dev` with `features` (pairs of short name and on|off) as asked:
 /// a stand-in whose offloads did not change would measure something else.
-pub fn check_features(ns: &str, dev: &str, features: &[&str]) -> Result<()> {
+fn check_features(ns: &str, dev: &str, features: &[&str]) -> Result<()> {
     let out = Command::new("ip")
         .args(["netns", "exec", ns, "ethtool", "-k", dev])
         .output()
@@ -155,6 +159,137 @@ pub fn check_features(ns: &str, dev: &str, features: &[&str]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Two network namespaces a benchmark's path joins (`NAME-a`, the sender, and `NAME-b`), with
+/// an iperf3 server in the second once [`NsPair::serve`] started it; the server is killed and
+/// the namespaces (and their devices) deleted when dropped.
+pub struct NsPair {
+    pub ns: [String; 2],
+    /// Each end's address (a /24).
+    pub ip: [String; 2],
+    server: Option<Child>,
+}
+
+impl Drop for NsPair {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.server.take() {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+        for ns in &self.ns {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// What one iperf3 run moved.
+#[derive(Clone, Copy, Debug)]
+pub struct Iperf {
+    pub gbit_s: f64,
+    pub bytes: f64,
+    /// Busy ticks of all CPUs across the run ([`busy_ticks`]).
+    pub busy_ticks: u64,
+}
+
+impl Iperf {
+    /// CPU seconds per GB moved, over all CPUs.
+    pub fn cpu_s_per_gb(&self) -> f64 {
+        self.busy_ticks as f64 / TICKS_PER_S / (self.bytes / 1e9)
+    }
+}
+
+impl NsPair {
+    /// The namespaces `NAME-a` and `NAME-b` (any left by a run stopped with Ctrl-C deleted
+    /// first), loopback up; `subnet` picks the ends' addresses, 10.`subnet`.1 and .2.
+    pub fn new(name: &str, subnet: [u8; 2]) -> Result<Self> {
+        let ns = ["a", "b"].map(|end| format!("{name}-{end}"));
+        for n in &ns {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
+        }
+        let pair = Self {
+            ns,
+            ip: [1, 2].map(|h| format!("10.{}.{}.{h}", subnet[0], subnet[1])),
+            server: None,
+        };
+        for n in &pair.ns {
+            sh(&["ip", "netns", "add", n])?;
+            sh(&["ip", "-n", n, "link", "set", "lo", "up"])?;
+        }
+        Ok(pair)
+    }
+
+    /// A veth pair between the two namespaces, `names[i]` in `ns[i]`, at `mtu`, each end
+    /// given its `ethtool -K` settings (checked: a stand-in whose offloads did not change
+    /// would measure something else).
+    pub fn veth(&self, names: [&str; 2], mtu: &str, features: [&[&str]; 2]) -> Result<()> {
+        let (ns, [a, b]) = (&self.ns, names);
+        sh(&[
+            "ip", "link", "add", a, "mtu", mtu, "netns", &ns[0], "type", "veth", "peer", "name", b,
+            "mtu", mtu, "netns", &ns[1],
+        ])?;
+        for i in 0..2 {
+            if !features[i].is_empty() {
+                let k = ["ip", "netns", "exec", &ns[i], "ethtool", "-K", names[i]];
+                sh(&[&k[..], features[i]].concat())?;
+                check_features(&ns[i], names[i], features[i])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives `devs[i]` in `ns[i]` its address and brings it up.
+    pub fn address(&self, devs: [&str; 2]) -> Result<()> {
+        for (i, dev) in devs.iter().enumerate() {
+            let cidr = format!("{}/24", self.ip[i]);
+            sh(&["ip", "-n", &self.ns[i], "addr", "add", &cidr, "dev", dev])?;
+            sh(&["ip", "-n", &self.ns[i], "link", "set", dev, "up"])?;
+        }
+        Ok(())
+    }
+
+    /// Starts the iperf3 server on the second end's address.
+    pub fn serve(&mut self) -> Result<()> {
+        let server = Command::new("ip")
+            .args(["netns", "exec", &self.ns[1], "iperf3", "-s", "-p", "5201"])
+            .args(["-B", &self.ip[1]])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("iperf3 server")?;
+        self.server = Some(server);
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(())
+    }
+
+    /// One iperf3 run from the first end to the server, `streams` TCP streams for `secs`
+    /// seconds; `what` names the path in an error.
+    pub fn iperf3(&self, streams: u32, secs: u32, what: &str) -> Result<Iperf> {
+        let busy0 = busy_ticks()?;
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns[0], "iperf3", "-J", "-p", "5201"])
+            .args(["-c", &self.ip[1], "-t", &secs.to_string()])
+            .args(["-P", &streams.to_string()])
+            .output()
+            .context("iperf3 client")?;
+        let busy1 = busy_ticks()?;
+        ensure!(
+            out.status.success(),
+            "iperf3 over {what}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let bytes = r["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0);
+        let bps = r["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap_or(0.0);
+        ensure!(bytes > 0.0, "nothing crossed {what}");
+        Ok(Iperf {
+            gbit_s: bps / 1e9,
+            bytes,
+            busy_ticks: busy1 - busy0,
+        })
+    }
 }
 
 #[cfg(test)]

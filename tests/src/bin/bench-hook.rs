@@ -17,12 +17,7 @@
 //! (/proc/stat across the run). The median of the rounds is reported, with ratios to the same
 //! MTU without a program. One JSON line after `BENCH-JSON `; `--out` saves it.
 
-use std::{
-    collections::BTreeMap,
-    path::PathBuf,
-    process::{Child, Command, Stdio},
-    time::Duration,
-};
+use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
 use anyhow::{Context as _, Result, ensure};
 use aya::{
@@ -32,7 +27,7 @@ use aya::{
 use clap::Parser;
 use ipoib_ctl::datapath::BASELINE_OBJECT;
 use ipoib_tests::{
-    bench::{TICKS_PER_S, busy_ticks, check_features, median, publish, sh},
+    bench::{NsPair, median, publish},
     cmlab::in_netns,
 };
 use serde_json::json;
@@ -108,93 +103,29 @@ impl Hook {
 const MTUS: [u32; 2] = [2044, 4092];
 
 /// Two namespaces joined by a veth pair, the receiving end hooked, with an iperf3 server
-/// behind it; the namespaces (and their devices) are deleted when dropped.
+/// behind it; the program is detached, then the namespaces deleted, when dropped.
 struct Pair {
     mtu: u32,
     hook: Hook,
-    ns: [String; 2],
-    ip: [String; 2],
-    server: Option<Child>,
     program: Option<Ebpf>,
-}
-
-impl Drop for Pair {
-    fn drop(&mut self) {
-        if let Some(mut s) = self.server.take() {
-            let _ = s.kill();
-            let _ = s.wait();
-        }
-        self.program.take();
-        for ns in &self.ns {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
-    }
+    ends: NsPair,
 }
 
 impl Pair {
     fn new(mtu: u32, hook: Hook, subnet: u8) -> Result<Self> {
-        let ns = [0, 1].map(|i| format!("bhook-{mtu}-{}-{}", hook.name(), ["a", "b"][i]));
-        for n in &ns {
-            // A run stopped by Ctrl-C leaves its namespaces: start clean.
-            let _ = Command::new("ip").args(["netns", "del", n]).output();
-        }
         let mut pair = Pair {
             mtu,
             hook,
-            ns,
-            ip: [1, 2].map(|h| format!("10.96.{subnet}.{h}")),
-            server: None,
             program: None,
+            ends: NsPair::new(&format!("bhook-{mtu}-{}", hook.name()), [96, subnet])?,
         };
-        for n in &pair.ns {
-            sh(&["ip", "netns", "add", n])?;
-            sh(&["ip", "-n", n, "link", "set", "lo", "up"])?;
-        }
         let devs = ["hookva", "hookvb"];
-        let m = mtu.to_string();
-        sh(&[
-            "ip",
-            "link",
-            "add",
-            devs[0],
-            "mtu",
-            &m,
-            "netns",
-            &pair.ns[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            devs[1],
-            "mtu",
-            &m,
-            "netns",
-            &pair.ns[1],
-        ])?;
         let features: [&[&str]; 2] = [&["tso", "off", "gso", "on"], &["gro", "on"]];
-        for (i, f) in features.iter().enumerate() {
-            let ns = &pair.ns[i];
-            sh(&[
-                &["ip", "netns", "exec", ns, "ethtool", "-K", devs[i]][..],
-                f,
-            ]
-            .concat())?;
-            check_features(ns, devs[i], f)?;
-            let cidr = format!("{}/24", pair.ip[i]);
-            sh(&["ip", "-n", ns, "addr", "add", &cidr, "dev", devs[i]])?;
-            sh(&["ip", "-n", ns, "link", "set", devs[i], "up"])?;
-        }
-        pair.program = in_netns(&pair.ns[1], move || hook.attach(devs[1]))?;
+        pair.ends.veth(devs, &mtu.to_string(), features)?;
+        pair.ends.address(devs)?;
+        pair.program = in_netns(&pair.ends.ns[1], move || hook.attach(devs[1]))?;
         pair.check_hook(devs[1])?;
-        let server = Command::new("ip")
-            .args(["netns", "exec", &pair.ns[1], "iperf3", "-s", "-p", "5201"])
-            .args(["-B", &pair.ip[1]])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("iperf3 server")?;
-        pair.server = Some(server);
-        std::thread::sleep(Duration::from_millis(300));
+        pair.ends.serve()?;
         Ok(pair)
     }
 
@@ -203,7 +134,7 @@ impl Pair {
     /// `bpftool net` (TCX).
     fn check_hook(&self, dev: &str) -> Result<()> {
         let out = Command::new("ip")
-            .args(["-n", &self.ns[1], "-d", "link", "show", "dev", dev])
+            .args(["-n", &self.ends.ns[1], "-d", "link", "show", "dev", dev])
             .output()
             .context("ip link show")?;
         let link = String::from_utf8_lossy(&out.stdout);
@@ -226,30 +157,9 @@ impl Pair {
 
     /// One iperf3 run of `secs` seconds: (Gbit/s, CPU seconds per GB).
     fn run(&self, secs: u32) -> Result<(f64, f64)> {
-        let busy0 = busy_ticks()?;
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns[0], "iperf3", "-J", "-p", "5201"])
-            .args(["-c", &self.ip[1], "-t", &secs.to_string()])
-            .output()
-            .context("iperf3 client")?;
-        let busy1 = busy_ticks()?;
-        ensure!(
-            out.status.success(),
-            "iperf3 at MTU {} through {}: {}",
-            self.mtu,
-            self.hook.name(),
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let r: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-        let bytes = r["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0);
-        let bps = r["end"]["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap_or(0.0);
-        ensure!(bytes > 0.0, "nothing crossed {}", self.hook.name());
-        Ok((
-            bps / 1e9,
-            (busy1 - busy0) as f64 / TICKS_PER_S / (bytes / 1e9),
-        ))
+        let what = format!("MTU {} through {}", self.mtu, self.hook.name());
+        let io = self.ends.iperf3(1, secs, &what)?;
+        Ok((io.gbit_s, io.cpu_s_per_gb()))
     }
 }
 

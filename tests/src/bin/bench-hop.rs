@@ -29,20 +29,18 @@ use std::{
     collections::BTreeMap,
     os::fd::AsRawFd as _,
     path::PathBuf,
-    process::{Child, Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering},
     },
     thread::JoinHandle,
-    time::Duration,
 };
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Result, ensure};
 use clap::Parser;
 use ipoib_ctl::tun::{TUN_READ_MAX, Tun};
 use ipoib_tests::{
-    bench::{TICKS_PER_S, busy_ticks, check_features, median, publish, sh, stat_ticks},
+    bench::{NsPair, TICKS_PER_S, median, publish, sh, stat_ticks},
     cmlab::in_netns,
 };
 use serde_json::json;
@@ -202,82 +200,47 @@ fn relay(from: Arc<Tun>, to: Arc<Tun>, copy: bool, stop: Arc<AtomicBool>, moved:
     }
 }
 
-/// Two namespaces joined by one path, with an iperf3 server in the second; the namespaces
-/// (and their devices) are deleted when dropped.
+/// Two namespaces joined by one path, with an iperf3 server in the second; the relay is
+/// stopped, then the namespaces deleted, when dropped.
 struct Pair {
     kind: Kind,
-    ns: [String; 2],
-    ip: [String; 2],
     relay: Option<Relay>,
-    server: Option<Child>,
-}
-
-impl Drop for Pair {
-    fn drop(&mut self) {
-        if let Some(mut s) = self.server.take() {
-            let _ = s.kill();
-            let _ = s.wait();
-        }
-        self.relay.take();
-        for ns in &self.ns {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
-    }
+    ends: NsPair,
 }
 
 impl Pair {
     fn new(kind: Kind, subnet: u8) -> Result<Self> {
-        let ns = [0, 1].map(|i| format!("bhop-{}-{}", kind.name(), ["a", "b"][i]));
-        for n in &ns {
-            // A run stopped by Ctrl-C leaves its namespaces: start clean.
-            let _ = Command::new("ip").args(["netns", "del", n]).output();
-        }
-        let ip = [1, 2].map(|h| format!("10.97.{subnet}.{h}"));
         let mut pair = Pair {
             kind,
-            ns,
-            ip,
             relay: None,
-            server: None,
+            ends: NsPair::new(&format!("bhop-{}", kind.name()), [97, subnet])?,
         };
-        for n in &pair.ns {
-            sh(&["ip", "netns", "add", n])?;
-            sh(&["ip", "-n", n, "link", "set", "lo", "up"])?;
-        }
         let devs = match kind.veth() {
             None => {
                 let queues = if kind == Kind::Hop2Q { 2 } else { 1 };
                 pair.hop(kind == Kind::Hop2Copy, queues)?
             }
-            Some((mtu, tx, rx)) => pair.veth(mtu, tx, rx)?,
+            Some((mtu, tx, rx)) => {
+                let names = ["hopva", "hopvb"];
+                pair.ends.veth(names, mtu, [tx, rx])?;
+                names.map(String::from)
+            }
         };
-        for (i, dev) in devs.iter().enumerate() {
-            let cidr = format!("{}/24", pair.ip[i]);
-            sh(&["ip", "-n", &pair.ns[i], "addr", "add", &cidr, "dev", dev])?;
-            sh(&["ip", "-n", &pair.ns[i], "link", "set", dev, "up"])?;
-        }
-        let server = Command::new("ip")
-            .args(["netns", "exec", &pair.ns[1], "iperf3", "-s", "-p", "5201"])
-            .args(["-B", &pair.ip[1]])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("iperf3 server")?;
-        pair.server = Some(server);
-        std::thread::sleep(Duration::from_millis(300));
+        pair.ends.address(devs.each_ref().map(String::as_str))?;
+        pair.ends.serve()?;
         Ok(pair)
     }
 
     /// The TUN devices, opened as the engine opens its own with `queues` queues each, and
     /// the relay between them: a thread per queue and direction, queue i to queue i.
     fn hop(&mut self, copy: bool, queues: usize) -> Result<[String; 2]> {
-        let [qa, qb] = self.ns.clone().map(|n| {
+        let [qa, qb] = self.ends.ns.clone().map(|n| {
             in_netns(&n, move || Tun::create_queues("hop%d", queues, true))
                 .map(|q| q.into_iter().map(Arc::new).collect::<Vec<_>>())
         });
         let (qa, qb) = (qa?, qb?);
         let names = [qa[0].name().to_string(), qb[0].name().to_string()];
-        for (ns, name) in self.ns.iter().zip(&names) {
+        for (ns, name) in self.ends.ns.iter().zip(&names) {
             let up = ["link", "set", name, "addrgenmode", "none", "mtu", "65520"];
             sh(&[&["ip", "-n", ns][..], &up[..]].concat())?;
         }
@@ -300,68 +263,14 @@ impl Pair {
         Ok(names)
     }
 
-    fn veth(&self, mtu: &str, tx: &[&str], rx: &[&str]) -> Result<[String; 2]> {
-        let names = ["hopva".to_string(), "hopvb".to_string()];
-        sh(&[
-            "ip",
-            "link",
-            "add",
-            &names[0],
-            "mtu",
-            mtu,
-            "netns",
-            &self.ns[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &names[1],
-            "mtu",
-            mtu,
-            "netns",
-            &self.ns[1],
-        ])?;
-        for (i, features) in [(0, tx), (1, rx)] {
-            if !features.is_empty() {
-                let ns = &self.ns[i];
-                let args = [
-                    &["ip", "netns", "exec", ns, "ethtool", "-K", &names[i]][..],
-                    features,
-                ];
-                sh(&args.concat())?;
-                check_features(ns, &names[i], features)?;
-            }
-        }
-        Ok(names)
-    }
-
     /// One iperf3 run of `streams` streams for `secs` seconds.
     fn run(&self, streams: u32, secs: u32) -> Result<Run> {
         let relay0 = self.relay.as_ref().map(|r| (r.ticks(), r.totals()));
-        let busy0 = busy_ticks()?;
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns[0], "iperf3", "-J", "-p", "5201"])
-            .args(["-c", &self.ip[1], "-t", &secs.to_string()])
-            .args(["-P", &streams.to_string()])
-            .output()
-            .context("iperf3 client")?;
-        let busy1 = busy_ticks()?;
-        ensure!(
-            out.status.success(),
-            "iperf3 over {}: {}",
-            self.kind.name(),
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let r: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-        let bytes = r["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0);
-        let bps = r["end"]["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap_or(0.0);
-        ensure!(bytes > 0.0, "nothing crossed {}", self.kind.name());
-        let gb = bytes / 1e9;
+        let io = self.ends.iperf3(streams, secs, self.kind.name())?;
+        let gb = io.bytes / 1e9;
         let mut run = Run {
-            gbit_s: bps / 1e9,
-            cpu_s_per_gb: (busy1 - busy0) as f64 / TICKS_PER_S / gb,
+            gbit_s: io.gbit_s,
+            cpu_s_per_gb: io.cpu_s_per_gb(),
             relay_cpu_s_per_gb: None,
             relay_mean_bytes: None,
         };
