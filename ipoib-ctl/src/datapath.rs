@@ -1,7 +1,7 @@
 //! The eBPF object and its loading.
 
 use aya::{
-    Ebpf, EbpfError,
+    Ebpf, EbpfError, EbpfLoader,
     programs::{ProgramError, SchedClassifier, Xdp},
 };
 use ipoib_common::prog_names;
@@ -65,7 +65,9 @@ impl Datapath {
         pin_dir: Option<&std::path::Path>,
     ) -> Result<Self, DatapathError> {
         raise_memlock_limit();
-        let mut ebpf = Ebpf::load(object)?;
+        // No kernel BTF for relocation: the programs read no kernel structure (no CO-RE).
+        // `Ebpf::load` would parse the kernel's BTF a second time, most of an attach's time.
+        let mut ebpf = EbpfLoader::new().btf(None).load(object)?;
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(l) => Some(l),
             Err(e) => {

@@ -64,9 +64,8 @@ struct Loaded {
 
 impl Loaded {
     fn load() -> Result<Self, SteerError> {
-        // No kernel BTF: the program reads no kernel structure, so it needs no CO-RE
-        // relocation, and parsing the kernel's BTF would be most of the load's time (about
-        // 140 ms of 150 on this machine's CPU in a debug build).
+        // No kernel BTF: the program reads no kernel structure (no CO-RE relocation), and
+        // `Ebpf::load` would parse the kernel's BTF a second time.
         let mut ebpf = EbpfLoader::new().btf(None).load(STEER_OBJECT)?;
         let prog: &mut SocketFilter = ebpf
             .program_mut(PROGRAM)
