@@ -88,7 +88,12 @@ pub const LAYOUT: u32 = 2;
 /// Program names in the eBPF object.
 pub mod prog_names {
     pub const EGRESS: &str = "ipoib_egress";
+    /// XDP: native where a driver has it, generic elsewhere.
     pub const INGRESS: &str = "ipoib_ingress";
+    /// The same decisions at TC ingress: IPoIB's hook (no native XDP there, and generic XDP
+    /// costs 1.5-2x the CPU per byte received; docs/benchmarks.md). 15 bytes: the kernel's
+    /// limit for a program's name.
+    pub const INGRESS_TC: &str = "ipoib_tcingress";
 }
 
 /// Capacity of the peers map (control-plane state per peer).

@@ -1,7 +1,8 @@
 //! Attaching the fast path to an interface, adopting an attachment, and detaching it.
 //!
 //! Everything that must outlive the control plane is pinned under
-//! `/sys/fs/bpf/ipoib/IFACE/` (mode 0700): the maps, both programs and both links. A
+//! `/sys/fs/bpf/ipoib/IFACE/` (mode 0700): the maps, both programs and their links (a
+//! netlink tc filter, on kernels before 6.6, has none: the filter itself holds the program). A
 //! control plane that exits leaves the datapath running (the heartbeat goes stale and the
 //! fail-safe sends every packet UD); one that starts again adopts the pins, so counters go on
 //! and traffic never sees a gap. Pins of an earlier map layout are replaced in place
@@ -116,14 +117,29 @@ pub enum EgressAttach {
     Netlink,
 }
 
+/// Where ingress runs, as attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IngressAttach {
+    /// TC ingress: a TCX link (kernels >= 6.6) or a netlink clsact filter.
+    Tc,
+    /// XDP in the driver.
+    Driver,
+    /// Generic XDP, on the skb.
+    Generic,
+    /// Not known: pins adopted without the state that said.
+    Unknown,
+}
+
 /// What the control plane remembers about an attachment beside the pins.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AttachState {
     pub iface: String,
     pub ifindex: u32,
     pub egress: EgressAttach,
-    /// "driver" or "generic".
-    pub xdp_mode: String,
+    /// Where ingress runs (read from the `xdp_mode` of a state written before TC ingress).
+    #[serde(alias = "xdp_mode")]
+    pub ingress: IngressAttach,
     /// The control plane's memory budget (bytes) when set by policy; `None`: worked out.
     pub memory_budget: Option<u64>,
     /// Policy `max-connections`; `None`: as many as the memory plan allows.
@@ -309,7 +325,11 @@ pub struct Attached {
 
 /// Attaches the fast path to `dev`, or adopts the attachment its pins describe. `change`
 /// (from `--policy FILE`) is validated before anything is created or written.
-pub fn attach(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
+pub fn attach(
+    dev: &Netdev,
+    change: Option<&PolicyChange>,
+    ingress: IngressChoice,
+) -> Result<Attached> {
     dev.check_attachable()?;
     ensure_bpffs()?;
     if is_attached(&dev.name) {
@@ -323,7 +343,8 @@ pub fn attach(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
     };
 
     let dir = pin_dir(&dev.name);
-    match fresh_attach(dev, &dir, &policy, change) {
+    let hook = ingress_hook(ingress, dev.is_ipoib());
+    match fresh_attach(dev, &dir, &policy, change, hook) {
         Ok(a) => Ok(a),
         Err(e) => {
             // Nothing half-made stays behind.
@@ -340,6 +361,7 @@ fn fresh_attach(
     dir: &Path,
     policy: &Policy,
     change: Option<&PolicyChange>,
+    hook: IngressHook,
 ) -> Result<Attached> {
     let root = Path::new(PIN_ROOT);
     fs::create_dir_all(root).map_err(io_err("creating", root))?;
@@ -354,12 +376,12 @@ fn fresh_attach(
         apply_peer_pins(&mut dp.maps, c)?;
     }
     let egress = attach_egress(&mut dp, dev, dir)?;
-    let xdp_mode = attach_ingress(&mut dp, dev, dir)?;
+    let ingress = attach_ingress(&mut dp, dev, dir, hook)?;
     let state = AttachState {
         iface: dev.name.clone(),
         ifindex: dev.ifindex,
         egress,
-        xdp_mode: xdp_mode.to_string(),
+        ingress,
         memory_budget: change.and_then(|c| c.memory_budget),
         max_connections: change.and_then(|c| c.max_connections),
         loop_pid: None,
@@ -429,18 +451,67 @@ fn attach_egress(dp: &mut Datapath, dev: &Netdev, dir: &Path) -> Result<EgressAt
     }
 }
 
-/// Ingress: generic XDP on ipoib (no native XDP there); native where the driver has it.
-/// Returns the XDP mode.
-fn attach_ingress(dp: &mut Datapath, dev: &Netdev, dir: &Path) -> Result<&'static str> {
+/// Where ingress may run (`attach --ingress`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum IngressChoice {
+    /// TC on IPoIB, XDP elsewhere.
+    #[default]
+    Auto,
+    Tc,
+    Xdp,
+}
+
+/// The hook ingress runs at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IngressHook {
+    Tc,
+    Xdp,
+}
+
+/// The hook `choice` means on an interface, IPoIB (`ipoib`) or not: TC on IPoIB, which has no
+/// native XDP, and whose generic XDP costs 1.5-2x the CPU per byte received
+/// (docs/benchmarks.md); XDP elsewhere, native where the driver has it.
+pub fn ingress_hook(choice: IngressChoice, ipoib: bool) -> IngressHook {
+    match choice {
+        IngressChoice::Tc => IngressHook::Tc,
+        IngressChoice::Xdp => IngressHook::Xdp,
+        IngressChoice::Auto if ipoib => IngressHook::Tc,
+        IngressChoice::Auto => IngressHook::Xdp,
+    }
+}
+
+/// Ingress at `hook`: TC as egress is (TCX, or a filter on egress's clsact before 6.6), or
+/// XDP (native where the driver has it, else generic).
+fn attach_ingress(
+    dp: &mut Datapath,
+    dev: &Netdev,
+    dir: &Path,
+    hook: IngressHook,
+) -> Result<IngressAttach> {
     let iface = dev.name.as_str();
+    if hook == IngressHook::Tc {
+        let ingress = dp.ingress_tc()?;
+        ingress.pin(dir.join(PROG_INGRESS)).map_err(bpffs_err)?;
+        let id = ingress
+            .attach(iface, TcAttachType::Ingress)
+            .map_err(prog_err("ipoib_tcingress", iface))?;
+        let link = ingress
+            .take_link(id)
+            .map_err(prog_err("ipoib_tcingress", iface))?;
+        // As on egress: a netlink filter has no link to pin.
+        if let Ok(fd) = FdLink::try_from(link) {
+            fd.pin(dir.join(LINK_INGRESS)).map_err(bpffs_err)?;
+        }
+        return Ok(IngressAttach::Tc);
+    }
     let ingress: &mut Xdp = dp.ingress()?;
     ingress.pin(dir.join(PROG_INGRESS)).map_err(bpffs_err)?;
     let (id, mode) = if dev.is_ipoib() {
-        (ingress.attach(iface, XdpMode::Skb), "generic")
+        (ingress.attach(iface, XdpMode::Skb), IngressAttach::Generic)
     } else {
         match ingress.attach(iface, XdpMode::Driver) {
-            Ok(id) => (Ok(id), "driver"),
-            Err(_) => (ingress.attach(iface, XdpMode::Skb), "generic"),
+            Ok(id) => (Ok(id), IngressAttach::Driver),
+            Err(_) => (ingress.attach(iface, XdpMode::Skb), IngressAttach::Generic),
         }
     };
     let id = id.map_err(prog_err("ipoib_ingress", iface))?;
@@ -462,7 +533,7 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
         } else {
             EgressAttach::Netlink
         },
-        xdp_mode: "unknown".into(),
+        ingress: IngressAttach::Unknown,
         memory_budget: None,
         max_connections: None,
         loop_pid: None,
@@ -586,11 +657,17 @@ fn remove_attachment(iface: &str, state: Option<&AttachState>) -> Result<()> {
             }
         }
     }
-    if state.is_some_and(|s| s.egress == EgressAttach::Netlink) || state.is_none() {
-        match tc::qdisc_detach_program(iface, TcAttachType::Egress, prog_names::EGRESS) {
-            Ok(()) => {}
-            Err(TcError::IoError(e)) if e.kind() == ErrorKind::NotFound => {}
-            Err(e) => tracing::debug!("netlink detach on {iface}: {e}"),
+    if state.is_none_or(|s| s.egress == EgressAttach::Netlink) {
+        let filters = [
+            (TcAttachType::Egress, prog_names::EGRESS),
+            (TcAttachType::Ingress, prog_names::INGRESS_TC),
+        ];
+        for (at, name) in filters {
+            match tc::qdisc_detach_program(iface, at, name) {
+                Ok(()) => {}
+                Err(TcError::IoError(e)) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => tracing::debug!("netlink detach of {name} on {iface}: {e}"),
+            }
         }
     }
     if dir.exists() {
@@ -605,4 +682,33 @@ fn remove_attachment(iface: &str, state: Option<&AttachState>) -> Result<()> {
         fs::remove_file(&sp).map_err(io_err("removing", &sp))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ingress_runs_at_tc_on_ipoib_and_at_xdp_elsewhere_unless_told() {
+        use IngressChoice::{Auto, Tc, Xdp};
+        let hooks: Vec<_> = [(Auto, true), (Auto, false), (Tc, true), (Tc, false)]
+            .into_iter()
+            .chain([(Xdp, true), (Xdp, false)])
+            .map(|(c, ipoib)| ingress_hook(c, ipoib))
+            .collect();
+        use IngressHook as H;
+        assert_eq!(hooks, [H::Tc, H::Xdp, H::Tc, H::Tc, H::Xdp, H::Xdp]);
+    }
+
+    /// A state written before TC ingress names the XDP mode `xdp_mode`: it still reads.
+    #[test]
+    fn a_state_from_before_tc_ingress_reads() {
+        let old = r#"{"iface": "ib0", "ifindex": 4, "egress": "tcx", "xdp_mode": "generic",
+            "memory_budget": null, "loop_pid": null}"#;
+        let s: AttachState = serde_json::from_str(old).unwrap();
+        assert_eq!((s.ingress, s.layout), (IngressAttach::Generic, 1));
+        let now = serde_json::to_value(&s).unwrap();
+        assert_eq!(now["ingress"], "generic");
+        assert!(now.get("xdp_mode").is_none());
+    }
 }

@@ -165,11 +165,11 @@ async fn run_async(
     d.att.state.cm_down = down;
     attach::write_state(&d.att.state)?;
     tracing::info!(
-        "{} {iface} (ifindex {}, egress {:?}, xdp {}); control loop running, Ctrl-C to stop",
+        "{} {iface} (ifindex {}, egress {:?}, ingress {:?}); control loop running, Ctrl-C to stop",
         if d.att.adopted { "adopted" } else { "attached" },
         d.att.state.ifindex,
         d.att.state.egress,
-        d.att.state.xdp_mode
+        d.att.state.ingress
     );
     let ready = match &d.cm {
         CmState::UdOnly(why) => format!("{iface}: fast path attached, every peer on UD ({why})"),

@@ -38,7 +38,9 @@ pub enum DatapathError {
     Maps(#[from] MapsError),
 }
 
-/// Both programs loaded into the kernel (not attached), and their maps.
+/// The programs loaded into the kernel (not attached), and their maps. Egress is loaded with
+/// the object; an ingress program on first use, so only the hook attached costs its
+/// verification (most of an attach's time in the VM).
 pub struct Datapath {
     ebpf: Ebpf,
     /// Must stay alive: dropping it closes the log map the programs refer to.
@@ -47,7 +49,7 @@ pub struct Datapath {
 }
 
 impl Datapath {
-    /// Loads the object, verifies and loads both programs, and takes the maps.
+    /// Loads the object, verifies and loads the egress program, and takes the maps.
     pub fn load() -> Result<Self, DatapathError> {
         Self::load_pinned(None)
     }
@@ -75,15 +77,10 @@ impl Datapath {
                 None
             }
         };
-        let loaded = |name| move |source| DatapathError::Program { name, source };
         let name = prog_names::EGRESS;
         program::<SchedClassifier>(&mut ebpf, name)?
             .load()
-            .map_err(loaded(name))?;
-        let name = prog_names::INGRESS;
-        program::<Xdp>(&mut ebpf, name)?
-            .load()
-            .map_err(loaded(name))?;
+            .map_err(|source| DatapathError::Program { name, source })?;
         let maps = DatapathMaps::take(&mut ebpf, pin_dir)?;
         Ok(Self { ebpf, logger, maps })
     }
@@ -92,8 +89,26 @@ impl Datapath {
         program(&mut self.ebpf, prog_names::EGRESS)
     }
 
+    /// The XDP ingress program, loaded on first use.
     pub fn ingress(&mut self) -> Result<&mut Xdp, DatapathError> {
-        program(&mut self.ebpf, prog_names::INGRESS)
+        let name = prog_names::INGRESS;
+        let prog: &mut Xdp = program(&mut self.ebpf, name)?;
+        if prog.fd().is_err() {
+            prog.load()
+                .map_err(|source| DatapathError::Program { name, source })?;
+        }
+        Ok(prog)
+    }
+
+    /// The TC ingress program (IPoIB's hook), loaded on first use.
+    pub fn ingress_tc(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+        let name = prog_names::INGRESS_TC;
+        let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
+        if prog.fd().is_err() {
+            prog.load()
+                .map_err(|source| DatapathError::Program { name, source })?;
+        }
+        Ok(prog)
     }
 
     /// What the programs' peer cache answered since they were loaded (`None`: this object's

@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
 use ipoib_ctl::{
-    attach::{self, AttachError},
+    attach::{self, AttachError, IngressChoice},
     config::{self, CmArgs, cm_options, cm_pkey, cm_port, ib_link},
     connmgr, daemon,
     exit::{self, EXIT_CODES},
@@ -61,6 +61,11 @@ enum Cmd {
         /// large cluster).
         #[arg(long, requires = "metrics_textfile")]
         metrics_peers: bool,
+        /// Where the receive program runs: `auto` is TC ingress on IPoIB (which has no native
+        /// XDP; generic XDP costs more CPU per byte received) and XDP elsewhere, native where
+        /// the driver has it. Taken at a fresh attach; an adopted attachment keeps its hook.
+        #[arg(long, value_enum, default_value_t = IngressChoice::Auto, value_name = "HOOK")]
+        ingress: IngressChoice,
         #[command(flatten)]
         cm: CmArgs,
     },
@@ -193,6 +198,7 @@ fn cmd_attach(
     policy: Option<PathBuf>,
     policy_if_present: Option<PathBuf>,
     metrics: Option<daemon::MetricsOut>,
+    ingress: IngressChoice,
     cm: &CmArgs,
 ) -> Result<()> {
     if let Some(m) = &metrics
@@ -219,7 +225,7 @@ fn cmd_attach(
     let dev = Netdev::lookup(iface)?;
     dev.check_attachable()?;
     let lock = lock_iface(iface)?;
-    let result = control_loop(iface, &dev, change.as_ref(), metrics, cm);
+    let result = control_loop(iface, &dev, change.as_ref(), metrics, ingress, cm);
     drop(lock);
     let _ = std::fs::remove_file(lock_path(iface));
     result
@@ -234,6 +240,7 @@ fn control_loop(
     dev: &Netdev,
     change: Option<&PolicyChange>,
     metrics: Option<daemon::MetricsOut>,
+    ingress: IngressChoice,
     cm_args: &CmArgs,
 ) -> Result<()> {
     let link = ib_link(iface, dev, cm_args)?;
@@ -246,7 +253,7 @@ fn control_loop(
         )?;
     }
     let (change, kernel_mode) = config::with_kernel_mode(iface, dev, change)?;
-    let mut att = attach::attach(dev, change.as_ref())?;
+    let mut att = attach::attach(dev, change.as_ref(), ingress)?;
     if kernel_mode.is_some() {
         att.state.kernel_mode = kernel_mode;
         attach::write_state(&att.state)?;
@@ -293,13 +300,14 @@ fn run(cli: Cli) -> Result<()> {
             policy_if_present,
             metrics_textfile,
             metrics_peers,
+            ingress,
             cm,
         } => {
             let metrics = metrics_textfile.map(|dir| daemon::MetricsOut {
                 dir,
                 per_peer: metrics_peers,
             });
-            cmd_attach(&iface, policy, policy_if_present, metrics, &cm)
+            cmd_attach(&iface, policy, policy_if_present, metrics, ingress, &cm)
         }
         Cmd::Detach { iface } => {
             attach::detach(&iface)?;

@@ -347,7 +347,7 @@ mod tests {
     /// two peers in the policy and one engine counter, one peer in the maps.
     fn status(cm: bool) -> Status {
         let mut v = serde_json::json!({
-            "iface": "ib0", "ifindex": 4, "egress_attach": "Netlink", "xdp_mode": "driver",
+            "iface": "ib0", "ifindex": 4, "egress_attach": "Netlink", "ingress": "tc",
             "policy": {"link": "infiniband", "mode": "auto", "cm_threshold": 1024,
                        "heartbeat_timeout_ms": 3000, "kernel_cm": false, "ctl_port": 4755,
                        "any_blocked": false, "memory_budget": null, "max_connections": null},

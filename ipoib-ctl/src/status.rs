@@ -157,7 +157,7 @@ pub struct Status {
     pub iface: String,
     pub ifindex: Option<u32>,
     pub egress_attach: Option<String>,
-    pub xdp_mode: Option<String>,
+    pub ingress: Option<attach::IngressAttach>,
     pub policy: PolicyView,
     /// Milliseconds since the control plane last wrote the heartbeat; `None`: never.
     pub heartbeat_age_ms: Option<u64>,
@@ -322,7 +322,7 @@ pub fn gather_from(
         iface: iface.to_string(),
         ifindex: state.map(|s| s.ifindex),
         egress_attach: state.map(|s| format!("{:?}", s.egress).to_lowercase()),
-        xdp_mode: state.map(|s| s.xdp_mode.clone()),
+        ingress: state.map(|s| s.ingress),
         policy: PolicyView::new(&policy, state),
         heartbeat_age_ms,
         heartbeat_writer_pid: hb.writer_pid,
@@ -423,11 +423,16 @@ pub fn render(s: &Status) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{}: ifindex {} egress {} xdp {}",
+        "{}: ifindex {} egress {} ingress {}",
         s.iface,
         s.ifindex.map_or_else(|| "?".into(), |i| i.to_string()),
         s.egress_attach.as_deref().unwrap_or("?"),
-        s.xdp_mode.as_deref().unwrap_or("?"),
+        match s.ingress {
+            Some(attach::IngressAttach::Tc) => "tc",
+            Some(attach::IngressAttach::Driver) => "xdp driver",
+            Some(attach::IngressAttach::Generic) => "xdp generic",
+            Some(attach::IngressAttach::Unknown) | None => "?",
+        },
     );
     match s.presence {
         Some(attach::Presence::Gone) => {
@@ -634,7 +639,7 @@ mod tests {
             iface: "ib0".into(),
             ifindex: Some(7),
             egress_attach: Some("tcx".into()),
-            xdp_mode: Some("native".into()),
+            ingress: Some(attach::IngressAttach::Generic),
             policy: policy_view(),
             heartbeat_age_ms: Some(120),
             heartbeat_writer_pid: 42,
@@ -778,9 +783,14 @@ mod tests {
         let mut s = status();
         let here = render(&s);
         assert!(
-            here.starts_with("ib0: ifindex 7 egress tcx xdp native\n"),
+            here.starts_with("ib0: ifindex 7 egress tcx ingress xdp generic\n"),
             "{here}"
         );
+        let tc = Status {
+            ingress: Some(attach::IngressAttach::Tc),
+            ..status()
+        };
+        assert!(render(&tc).starts_with("ib0: ifindex 7 egress tcx ingress tc\n"));
         assert!(!here.contains("STALE") && !here.contains("another network namespace"));
         assert!(
             here.contains("control loop: running (pid 42); heartbeat 120 ms old\n"),

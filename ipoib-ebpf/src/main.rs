@@ -4,8 +4,9 @@
 //!   connection is up are redirected to the CM device; everything else goes UD, untouched but
 //!   for the RC flag of the destination address when the kernel's own connected mode is
 //!   forbidden.
-//! * `ipoib_ingress` (XDP, generic mode on ipoib): read-only accounting per source peer, and a
-//!   drop only for peers the policy blocks.
+//! * `ipoib_ingress` (XDP, where a driver has it) and its twin `ipoib_tcingress` (TC ingress,
+//!   on IPoIB): read-only accounting per source peer, and a drop only for peers the policy
+//!   blocks. Both see the frame from its link header and decide alike ([`ingress`]).
 //!
 //! Every packet is counted under exactly one decision reason. Unknown, truncated or malformed
 //! frames pass as UD; nothing is dropped on egress.
@@ -15,7 +16,7 @@
 mod parse;
 
 use aya_ebpf::{
-    bindings::{BPF_NOEXIST, TC_ACT_OK, xdp_action},
+    bindings::{BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     helpers::{bpf_check_mtu, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_redirect},
     macros::{btf_map, classifier, xdp},
@@ -423,40 +424,65 @@ fn heartbeat_stale(policy: &Policy, hb: Option<&Heartbeat>, now: u64) -> bool {
 
 #[xdp]
 pub fn ipoib_ingress(ctx: XdpContext) -> u32 {
-    ingress(&ctx)
+    let (data, data_end) = (ctx.data(), ctx.data_end());
+    match ingress(data, data_end, data_end - data) {
+        Rx::Pass => xdp_action::XDP_PASS,
+        Rx::Drop => xdp_action::XDP_DROP,
+    }
 }
 
-/// Read-only: never writes the packet (generic XDP re-runs eth_type_trans if the first 14
-/// bytes change, which would corrupt an IPoIB frame).
+#[classifier]
+pub fn ipoib_tcingress(ctx: TcContext) -> i32 {
+    let len = ctx.len() as usize;
+    // The headers of a received skb may sit in its pages (IPoIB's CM receive fills pages):
+    // pull in what the parser reads, as egress does.
+    let want = if len < PARSE_MAX { len } else { PARSE_MAX };
+    if ctx.data_end() - ctx.data() < want {
+        let _ = ctx.pull_data(want as u32);
+    }
+    match ingress(ctx.data(), ctx.data_end(), len) {
+        Rx::Pass => TC_ACT_OK,
+        Rx::Drop => TC_ACT_SHOT,
+    }
+}
+
+/// What ingress does with a packet.
+enum Rx {
+    Pass,
+    Drop,
+}
+
+/// The receive decision for the frame at `data..data_end` (from its link header; `len` bytes
+/// in all, some maybe beyond `data_end`). Read-only: never writes the packet (generic XDP
+/// re-runs eth_type_trans if the first 14 bytes change, which would corrupt an IPoIB frame).
 #[inline(always)]
-fn ingress(ctx: &XdpContext) -> u32 {
-    let len = ctx.data_end() - ctx.data();
+fn ingress(data: usize, data_end: usize, len: usize) -> Rx {
     let Some(policy) = POLICY.get(0) else {
         count(Reason::RxNoPolicy, len as u64);
-        return xdp_action::XDP_PASS;
+        return Rx::Pass;
     };
     if policy.link_type == 0 {
         count(Reason::RxNoPolicy, len as u64);
-        return xdp_action::XDP_PASS;
+        return Rx::Pass;
     }
-    let frame = match parse(ctx.data(), ctx.data_end(), policy.link_type, 0) {
+    let frame = match parse(data, data_end, policy.link_type, 0) {
         Ok(f) => f,
         Err(ParseError::Malformed) => {
             count(Reason::RxMalformed, len as u64);
-            return xdp_action::XDP_PASS;
+            return Rx::Pass;
         }
         Err(ParseError::UnknownLink) => {
             count(Reason::RxNoPolicy, len as u64);
-            return xdp_action::XDP_PASS;
+            return Rx::Pass;
         }
     };
     if !frame.ip {
         count(Reason::RxNonIp, len as u64);
-        return xdp_action::XDP_PASS;
+        return Rx::Pass;
     }
     let l3_len = (len - frame.l2_len) as u64;
     // At most one hash lookup (see egress), for the block and the traffic slot.
-    let src = || key_at(ctx.data(), ctx.data_end(), frame.family, frame.src_at);
+    let src = || key_at(data, data_end, frame.family, frame.src_at);
     let peer = Peer::of(&src(), HEARTBEAT.get(0));
     let blocked = policy.any_blocked != 0 && peer.found && peer.entry.pin == peer_pin::BLOCK;
     if let Some(t) = traffic(peer.entry.traffic_slot, src) {
@@ -473,10 +499,10 @@ fn ingress(ctx: &XdpContext) -> u32 {
     }
     if blocked {
         count(Reason::RxDropBlocked, l3_len);
-        return xdp_action::XDP_DROP;
+        return Rx::Drop;
     }
     count(Reason::RxPeer, l3_len);
-    xdp_action::XDP_PASS
+    Rx::Pass
 }
 
 #[cfg(not(test))]

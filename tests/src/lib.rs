@@ -21,6 +21,7 @@ use ipoib_common::{
 use ipoib_ctl::{clock::monotonic_ns, datapath::Datapath};
 
 pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_REDIRECT: u32 = 7;
 pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
@@ -517,9 +518,15 @@ impl Harness {
         run(prog, frame, 1).map(|(o, _)| o)
     }
 
-    /// Runs `ipoib_ingress` once on `frame`.
+    /// Runs `ipoib_ingress` (XDP) once on `frame`.
     pub fn ingress(&mut self, frame: &[u8]) -> Result<Outcome, ProgramError> {
         let prog = self.dp.ingress().expect("ingress program");
+        run(prog, frame, 1).map(|(o, _)| o)
+    }
+
+    /// Runs `ipoib_tcingress` (TC ingress, IPoIB's hook) once on `frame`.
+    pub fn ingress_tc(&mut self, frame: &[u8]) -> Result<Outcome, ProgramError> {
+        let prog = self.dp.ingress_tc().expect("TC ingress program");
         run(prog, frame, 1).map(|(o, _)| o)
     }
 }

@@ -1122,8 +1122,40 @@ fn egress_heartbeat_deadline() {
     );
 }
 
+/// A receive hook as the tests run it: XDP (verdicts `XDP_*`) or its TC twin (`TC_ACT_*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Hook {
+    Xdp,
+    Tc,
+}
+
+impl Hook {
+    fn run(self, h: &mut Harness, frame: &[u8]) -> Result<Outcome, aya::programs::ProgramError> {
+        match self {
+            Hook::Xdp => h.ingress(frame),
+            Hook::Tc => h.ingress_tc(frame),
+        }
+    }
+
+    /// The hook's verdict for an XDP one.
+    fn verdict(self, xdp: u32) -> u32 {
+        match (self, xdp) {
+            (Hook::Xdp, v) => v,
+            (Hook::Tc, XDP_PASS) => TC_ACT_OK,
+            (Hook::Tc, XDP_DROP) => TC_ACT_SHOT,
+            (Hook::Tc, v) => panic!("no TC verdict for XDP's {v}"),
+        }
+    }
+}
+
 #[test]
 fn ingress_counts_and_blocks() {
+    for hook in [Hook::Xdp, Hook::Tc] {
+        ingress_counts_and_blocks_at(hook);
+    }
+}
+
+fn ingress_counts_and_blocks_at(hook: Hook) {
     let Some(mut h) = harness("ingress_counts_and_blocks", Link::Ipoib) else {
         return;
     };
@@ -1182,10 +1214,13 @@ fn ingress_counts_and_blocks() {
         ),
     ];
     for (name, frame, retval, reason, peer) in cases {
+        let name = format!("{hook:?}: {name}");
         let before = h.reasons();
         let t_before = peer.map(|p| h.traffic(p));
-        let out = h.ingress(&frame).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(out.retval, retval, "{name}: verdict");
+        let out = hook
+            .run(&mut h, &frame)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(out.retval, hook.verdict(retval), "{name}: verdict");
         assert!(
             out.data_out == frame,
             "{name}: ingress must never write the packet"
@@ -1413,6 +1448,92 @@ fn random_frames_are_safe() {
             "random_frames_are_safe (kernel warning check)",
             "dmesg unreadable here",
         ),
+    }
+}
+
+/// The TC twin of ingress (IPoIB's hook) decides as the XDP program does: on random and
+/// mangled frames of both links, from a peer, an unknown source and a blocked one, each
+/// frame gets the same verdict at both hooks, neither writes it, and both count the same
+/// reasons, packets and bytes.
+#[test]
+fn tc_ingress_decides_as_xdp_ingress_does() {
+    const N: usize = 1500;
+    for link in [Link::Ipoib, Link::Ether] {
+        let Some(mut h) = harness("tc_ingress_decides_as_xdp_ingress_does", link) else {
+            return;
+        };
+        let mut rng = Rng::new(0x7c1d_2026 + link as u64);
+        let from = |src: &str, dst: &str, len| {
+            as_ingress(
+                &FrameSpec::tcp(L2::unicast(link), src, dst, len).build(),
+                link,
+            )
+        };
+        let templates = [
+            from("10.0.0.2", "10.0.0.1", BIG),
+            from("fd00::2", "fd00::1", 400),
+            from("10.0.0.6", "10.0.0.1", BIG),
+            from("10.0.0.9", "10.0.0.1", SMALL),
+            as_ingress(&arp_frame(L2::broadcast(link)), link),
+        ];
+        let mut frames = Vec::new();
+        while frames.len() < N {
+            let t = &templates[rng.below(templates.len() as u64) as usize];
+            let mut f = t.clone();
+            // A third of the frames whole; the rest with bytes flipped in the headers and cut.
+            if rng.below(3) != 0 {
+                for _ in 0..=rng.below(4) {
+                    let at = rng.below(f.len().min(120) as u64) as usize;
+                    f[at] = rng.next_u64() as u8;
+                }
+                f.truncate(14 + rng.below((f.len() - 14) as u64 + 1) as usize);
+            }
+            if !test_run_refuses_skb(&f) {
+                frames.push(f);
+            }
+        }
+        let mut deltas = Vec::new();
+        let mut verdicts = Vec::new();
+        for hook in [Hook::Xdp, Hook::Tc] {
+            let before = h.reasons();
+            let mut seen = Vec::with_capacity(N);
+            for (i, f) in frames.iter().enumerate() {
+                let out = hook
+                    .run(&mut h, f)
+                    .unwrap_or_else(|e| panic!("{link:?} {hook:?} frame {i}: {e}"));
+                assert!(out.data_out == *f, "{link:?} {hook:?} frame {i}: written");
+                seen.push(out.retval);
+            }
+            deltas.push(delta(&before, &h.reasons()));
+            verdicts.push(seen);
+        }
+        for (i, (x, t)) in verdicts[0].iter().zip(&verdicts[1]).enumerate() {
+            assert_eq!(
+                Hook::Tc.verdict(*x),
+                *t,
+                "{link:?} frame {i}: {:02x?}",
+                frames[i]
+            );
+        }
+        assert_eq!(deltas[0], deltas[1], "{link:?}: what each hook counted");
+        let drops = verdicts[0].iter().filter(|v| **v == XDP_DROP).count();
+        eprintln!(
+            "{link:?}: {N} frames, {drops} dropped at both hooks: {:?}",
+            deltas[0]
+        );
+        // The frames reached every kind of decision, the block among them.
+        let reasons: Vec<Reason> = deltas[0].iter().map(|d| d.0).collect();
+        for r in [
+            Reason::RxPeer,
+            Reason::RxDropBlocked,
+            Reason::RxNonIp,
+            Reason::RxMalformed,
+        ] {
+            assert!(
+                reasons.contains(&r),
+                "{link:?}: no frame gave {r:?}: {reasons:?}"
+            );
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::{
 };
 
 use ipoib_common::{PeerEntry, PeerKey, peer_mode};
-use ipoib_ctl::{connmgr::listen, maps::DatapathMaps, status::PeerModeView};
+use ipoib_ctl::{attach::IngressAttach, connmgr::listen, maps::DatapathMaps, status::PeerModeView};
 use ipoib_tests::lab::{json_u64 as u, *};
 
 fn ping(from: &Node, to: &str, count: u32, size: u32, interval: &str) -> (u32, u32) {
@@ -161,6 +161,86 @@ fn lab_counts_traffic_and_takes_policy_live() {
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert_eq!(out.status.code(), Some(4), "double detach");
+}
+
+/// Ingress at TC (`--ingress tc`, the hook IPoIB gets by itself) on real traffic: it counts
+/// what a peer sends, drops what a blocked peer sends and nothing once it is unblocked, and
+/// `detach` leaves no program behind (TCX link on 6.6+, a clsact filter below). B keeps XDP.
+#[test]
+fn tc_ingress_counts_blocks_and_detaches_clean() {
+    let Some(mut lab) = lab_or_skip("tc_ingress_counts_blocks_and_detaches_clean", "tci", false)
+    else {
+        return;
+    };
+    lab.attach(Which::A, &["--ingress", "tc"]).unwrap();
+    lab.attach(Which::B, &[]).unwrap();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    let b_ip = b.ip4.to_string();
+    assert_eq!(a.status().unwrap().ingress, Some(IngressAttach::Tc));
+    let b_hook = b.status().unwrap().ingress;
+    assert!(
+        matches!(b_hook, Some(IngressAttach::Driver | IngressAttach::Generic)),
+        "{b_hook:?}"
+    );
+
+    ping(&a, &b_ip, 1, 56, "0.2");
+    assert!(
+        a.wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(10))
+            .is_some(),
+        "A has no entry for B"
+    );
+    let a0 = peer_or_zero(&a, &b_ip);
+    assert_eq!(ping(&a, &b_ip, 20, 56, "0.05"), (20, 20));
+    let a1 = a.peer_json(&b_ip).unwrap().expect("A sees B");
+    // B's 20 replies, received at A's TC ingress.
+    assert_eq!(u(&a1, "rx_packets") - u(&a0, "rx_packets"), 20);
+    assert_eq!(u(&a1, "rx_bytes") - u(&a0, "rx_bytes"), 20 * 84);
+
+    let block = |pin: &str| {
+        let out = a
+            .ctl(&["set-policy", &a.iface, &format!("peer={b_ip}:{pin}")])
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    block("block");
+    let s0 = a.status_json().unwrap();
+    assert_eq!(
+        ping(&a, &b_ip, 5, 56, "0.05"),
+        (5, 0),
+        "B's replies dropped"
+    );
+    let s1 = a.status_json().unwrap();
+    assert_eq!(
+        reason(&s1, "rx_drop_blocked") - reason(&s0, "rx_drop_blocked"),
+        5
+    );
+    block("auto");
+    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5), "unblocked");
+
+    let path = format!("/sys/fs/bpf/ipoib/{}/prog_ingress", a.iface);
+    let out = Command::new("bpftool")
+        .args(["-j", "prog", "show", "pinned", &path])
+        .output()
+        .unwrap();
+    let prog: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool json");
+    assert_eq!(prog["type"], "sched_cls", "{prog}");
+    let id = prog["id"].as_u64().expect("prog id");
+    let out = a.ctl(&["detach", &a.iface]).unwrap();
+    assert!(out.status.success());
+    let gone = wait_until(Duration::from_secs(3), || {
+        !Command::new("bpftool")
+            .args(["prog", "show", "id", &id.to_string()])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    });
+    assert!(gone, "TC ingress program {id} still exists after detach");
+    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
 }
 
 /// Each interface has its own handshake listener on the same port (SO_BINDTODEVICE): another

@@ -22,7 +22,7 @@ use aya::{
     util::KernelVersion,
 };
 use ipoib_common::{ARPHRD_ETHER, LAYOUT, PeerEntry, PeerKey, Policy, map_names, peer_pin};
-use ipoib_ctl::attach::{AttachState, EgressAttach, pin_dir, state_path};
+use ipoib_ctl::attach::{AttachState, EgressAttach, IngressAttach, pin_dir, state_path};
 use ipoib_tests::{
     cmlab::in_netns,
     lab::{Node, Which, lab_or_skip},
@@ -122,7 +122,7 @@ fn write_layout_1_state(a: &Node, egress: EgressAttach) {
         iface: a.iface.clone(),
         ifindex: a.ifindex(&a.iface).unwrap(),
         egress,
-        xdp_mode: "driver".into(),
+        ingress: IngressAttach::Driver,
         memory_budget: None,
         max_connections: None,
         loop_pid: None,
