@@ -209,8 +209,9 @@ enum Bench {
         streams: u32,
     },
     /// The receive hook for IPoIB (root): TCP through a veth with GRO, forced into generic
-    /// XDP, against a TC ingress program and no program, at MTU 2044 and 4092, interleaved:
-    /// Gbit/s and CPU seconds per GB. On this machine's kernel, or with --vm on the VM's 6.1.
+    /// XDP, against TC ingress and no program, each hook with a trivial program and with the
+    /// fast path's ingress, at MTU 2044 and 4092, interleaved: Gbit/s and CPU seconds per GB.
+    /// On this machine's kernel, or with --vm on the VM's 6.1.
     Hook {
         /// Seconds per measurement.
         #[arg(long, default_value_t = 5)]

@@ -10,14 +10,16 @@
 //! completions go through `napi_gro_receive`), the sender segmenting in software (GSO, TSO
 //! off) as IPoIB's datagram mode does, at IPoIB's two UD MTUs.
 //!
-//! Each hook runs a trivial program (`baseline_xdp`, `baseline_tc`: pass everything), so what
-//! is measured is the hook, not a program: the fast path's own cost per packet is
-//! `bench datapath`'s. TCP (iperf3) between two namespaces, each MTU with no program, generic
-//! XDP and TC ingress, interleaved round by round: Gbit/s and CPU seconds per GB over all CPUs
+//! Each hook runs a trivial program (`baseline_xdp`, `baseline_tc`: pass everything), which
+//! measures the hook, and then the fast path's own ingress there (`ipoib_ingress` in generic
+//! XDP, `ipoib_tcingress` at TC; the sender an entry with a traffic slot, as the control loop
+//! leaves a peer it has seen), which adds the program (its cost per packet alone is
+//! `bench datapath`'s). TCP (iperf3) between two namespaces, each MTU with no program and each
+//! program, interleaved round by round: Gbit/s and CPU seconds per GB over all CPUs
 //! (/proc/stat across the run). The median of the rounds is reported, with ratios to the same
 //! MTU without a program. One JSON line after `BENCH-JSON `; `--out` saves it.
 
-use std::{collections::BTreeMap, path::PathBuf, process::Command};
+use std::{any::Any, collections::BTreeMap, net::IpAddr, path::PathBuf, process::Command};
 
 use anyhow::{Context as _, Result, ensure};
 use aya::{
@@ -25,7 +27,11 @@ use aya::{
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
 };
 use clap::Parser;
-use ipoib_ctl::datapath::BASELINE_OBJECT;
+use ipoib_common::{ARPHRD_ETHER, PeerEntry, PeerKey, Policy};
+use ipoib_ctl::{
+    clock::monotonic_ns,
+    datapath::{BASELINE_OBJECT, Datapath},
+};
 use ipoib_tests::{
     bench::{NsPair, median, publish},
     cmlab::in_netns,
@@ -52,28 +58,64 @@ enum Hook {
     None,
     GenericXdp,
     TcIngress,
+    FastPathXdp,
+    FastPathTc,
 }
 
 impl Hook {
-    const ALL: [Hook; 3] = [Hook::None, Hook::GenericXdp, Hook::TcIngress];
+    const ALL: [Hook; 5] = [
+        Hook::None,
+        Hook::GenericXdp,
+        Hook::TcIngress,
+        Hook::FastPathXdp,
+        Hook::FastPathTc,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Hook::None => "none",
             Hook::GenericXdp => "generic-xdp",
             Hook::TcIngress => "tc-ingress",
+            Hook::FastPathXdp => "fastpath-xdp",
+            Hook::FastPathTc => "fastpath-tc",
         }
     }
 
-    /// Attaches this hook's trivial program to `dev` in this thread's namespace; the program
-    /// stays attached while the returned object lives.
-    fn attach(self, dev: &str) -> Result<Option<Ebpf>> {
+    fn is_xdp(self) -> bool {
+        matches!(self, Hook::GenericXdp | Hook::FastPathXdp)
+    }
+
+    /// Attaches this hook's program to `dev` in this thread's namespace (`sender`: the address
+    /// the traffic comes from); the program stays attached while the returned object lives.
+    fn attach(self, dev: &str, sender: &str) -> Result<Option<Box<dyn Any + Send>>> {
+        if matches!(self, Hook::FastPathXdp | Hook::FastPathTc) {
+            let mut dp = Datapath::load().context("loading the fast path")?;
+            dp.maps.set_policy(&Policy::new(ARPHRD_ETHER))?;
+            let key = PeerKey::from(sender.parse::<IpAddr>()?);
+            let entry = PeerEntry {
+                traffic_slot: 1,
+                ..PeerEntry::default()
+            };
+            dp.maps.set_peer(key, entry)?;
+            dp.maps.beat(monotonic_ns())?;
+            if self == Hook::FastPathXdp {
+                dp.ingress()?
+                    .attach(dev, XdpMode::Skb)
+                    .with_context(|| format!("ipoib_ingress in generic XDP on {dev}"))?;
+            } else {
+                let _ = tc::qdisc_add_clsact(dev);
+                dp.ingress_tc()?
+                    .attach(dev, TcAttachType::Ingress)
+                    .with_context(|| format!("ipoib_tcingress at TC ingress on {dev}"))?;
+            }
+            return Ok(Some(Box::new(dp)));
+        }
         if self == Hook::None {
             return Ok(None);
         }
         let mut ebpf = Ebpf::load(BASELINE_OBJECT).context("loading the baseline programs")?;
         match self {
-            Hook::None => {}
+            Hook::None | Hook::FastPathXdp | Hook::FastPathTc => {}
             Hook::GenericXdp => {
                 let p: &mut Xdp = ebpf
                     .program_mut("baseline_xdp")
@@ -95,7 +137,7 @@ impl Hook {
                     .with_context(|| format!("TC ingress on {dev}"))?;
             }
         }
-        Ok(Some(ebpf))
+        Ok(Some(Box::new(ebpf)))
     }
 }
 
@@ -107,7 +149,7 @@ const MTUS: [u32; 2] = [2044, 4092];
 struct Pair {
     mtu: u32,
     hook: Hook,
-    program: Option<Ebpf>,
+    program: Option<Box<dyn Any + Send>>,
     ends: NsPair,
 }
 
@@ -123,7 +165,8 @@ impl Pair {
         let features: [&[&str]; 2] = [&["tso", "off", "gso", "on"], &["gro", "on"]];
         pair.ends.veth(devs, &mtu.to_string(), features)?;
         pair.ends.address(devs)?;
-        pair.program = in_netns(&pair.ends.ns[1], move || hook.attach(devs[1]))?;
+        let sender = pair.ends.ip[0].clone();
+        pair.program = in_netns(&pair.ends.ns[1], move || hook.attach(devs[1], &sender))?;
         pair.check_hook(devs[1])?;
         pair.ends.serve()?;
         Ok(pair)
@@ -146,7 +189,7 @@ impl Pair {
             .split_whitespace()
             .collect();
         ensure!(
-            words.contains(&"xdpgeneric") == (self.hook == Hook::GenericXdp)
+            words.contains(&"xdpgeneric") == self.hook.is_xdp()
                 && !words.contains(&"xdp")
                 && !words.contains(&"xdpdrv"),
             "{dev} with hook {}: ip link shows\n{link}",
@@ -185,7 +228,7 @@ fn main() -> Result<()> {
         for p in &pairs {
             let (g, c) = p.run(args.seconds)?;
             eprintln!(
-                "round {}/{}: MTU {} {:<11} {g:6.2} Gbit/s, {c:5.2} CPU s/GB",
+                "round {}/{}: MTU {} {:<12} {g:6.2} Gbit/s, {c:5.2} CPU s/GB",
                 round + 1,
                 args.rounds,
                 p.mtu,
@@ -212,7 +255,7 @@ fn report(args: &Args, runs: &BTreeMap<(u32, Hook), Vec<(f64, f64)>>) -> Result<
         kernel.trim()
     );
     println!(
-        "{:>5} {:<11} {:>8} {:>9} {:>11} {:>10}",
+        "{:>5} {:<12} {:>8} {:>9} {:>11} {:>10}",
         "MTU", "hook", "Gbit/s", "CPU s/GB", "Gbit/none", "CPU/none"
     );
     let mut rows = Vec::new();
@@ -221,7 +264,7 @@ fn report(args: &Args, runs: &BTreeMap<(u32, Hook), Vec<(f64, f64)>>) -> Result<
         for h in Hook::ALL {
             let (g, c) = (m(mtu, h, |r| r.0), m(mtu, h, |r| r.1));
             println!(
-                "{mtu:>5} {:<11} {g:>8.2} {c:>9.2} {:>11.2} {:>10.2}",
+                "{mtu:>5} {:<12} {g:>8.2} {c:>9.2} {:>11.2} {:>10.2}",
                 h.name(),
                 g / g0,
                 c / c0
