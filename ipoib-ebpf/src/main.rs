@@ -233,6 +233,14 @@ impl Verdict {
             forbid_kernel_cm,
         }
     }
+
+    /// Whether the packet goes to the CM device: only a redirect names one. The code after
+    /// `decide` branches on this, never on the reason: a branch on the reason, a constant on
+    /// each path, would have the verifier walk what follows once per reason.
+    #[inline(always)]
+    fn redirects(&self) -> bool {
+        self.cm_ifindex != 0
+    }
 }
 
 #[inline(always)]
@@ -291,7 +299,7 @@ fn egress(ctx: &TcContext) -> i32 {
         Peer::NONE
     };
     let mut verdict = decide(&frame, policy, hb, &peer, l3_len, now);
-    if verdict.reason == Reason::TxCmRedirect && !device_exists(ctx, tick, verdict.cm_ifindex) {
+    if verdict.redirects() && !device_exists(ctx, tick, verdict.cm_ifindex) {
         verdict = Verdict::ud(Reason::TxUdCmDeviceGone, kernel_cm_forbidden(policy));
     }
     count(verdict.reason, l3_len);
@@ -299,7 +307,7 @@ fn egress(ctx: &TcContext) -> i32 {
     if unicast && let Some(t) = traffic(peer.entry.traffic_slot, dst) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe {
-            if verdict.reason == Reason::TxCmRedirect {
+            if verdict.redirects() {
                 (*t).tx_cm_packets += 1;
                 (*t).tx_cm_bytes += l3_len;
             } else {
@@ -310,7 +318,7 @@ fn egress(ctx: &TcContext) -> i32 {
         }
     }
 
-    if verdict.reason == Reason::TxCmRedirect {
+    if verdict.redirects() {
         // The CM device has no L2 header: the kernel pulls ours off itself.
         return unsafe { bpf_redirect(verdict.cm_ifindex, 0) } as i32;
     }
