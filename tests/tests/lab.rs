@@ -45,16 +45,26 @@ fn peer_or_zero(n: &Node, addr: &str) -> serde_json::Value {
     n.peer_json(addr).unwrap().unwrap_or(serde_json::json!({}))
 }
 
+/// Both receive hooks on real traffic: A receives at TC ingress (`--ingress tc`, the hook an
+/// IPoIB interface gets by itself), B in XDP. Each counts what the other sends, per peer and per
+/// decision; policy changes take effect live (a mode, a block at A's TC ingress); `detach`
+/// leaves no program behind (TCX links on 6.6+, clsact filters below).
 #[test]
 fn lab_counts_traffic_and_takes_policy_live() {
     let Some(mut lab) = lab_or_skip("lab_counts_traffic_and_takes_policy_live", "e2e", false)
     else {
         return;
     };
-    lab.attach(Which::A, &[]).unwrap();
+    lab.attach(Which::A, &["--ingress", "tc"]).unwrap();
     lab.attach(Which::B, &[]).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let (a_ip, b_ip) = (a.ip4.to_string(), b.ip4.to_string());
+    assert_eq!(a.status().unwrap().ingress, Some(IngressAttach::Tc));
+    let b_hook = b.status().unwrap().ingress;
+    assert!(
+        matches!(b_hook, Some(IngressAttach::Driver | IngressAttach::Generic)),
+        "{b_hook:?}"
+    );
 
     // Warm up ARP so the counted pings are the only IPv4 unicast between the two.
     ping(&a, &b_ip, 1, 56, "0.2");
@@ -126,6 +136,31 @@ fn lab_counts_traffic_and_takes_policy_live() {
     );
     assert_eq!(reason(&s2, "tx_ud_small") - reason(&s1, "tx_ud_small"), 5);
 
+    // A block drops at A's TC ingress what B sends (B's replies), and nothing once lifted.
+    let pin = |p: &str| {
+        let out = a
+            .ctl(&["set-policy", &a.iface, &format!("peer={b_ip}:{p}")])
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    pin("block");
+    assert_eq!(
+        ping(&a, &b_ip, 5, 56, "0.05"),
+        (5, 0),
+        "B's replies dropped"
+    );
+    let s3 = a.status_json().unwrap();
+    assert_eq!(
+        reason(&s3, "rx_drop_blocked") - reason(&s2, "rx_drop_blocked"),
+        5
+    );
+    pin("auto");
+    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5), "unblocked");
+
     // TCX where the kernel has it (>= 6.6), a netlink clsact filter below.
     let tcx = kernel_at_least(6, 6);
     assert_eq!(s2["egress_attach"], if tcx { "tcx" } else { "netlink" });
@@ -161,86 +196,6 @@ fn lab_counts_traffic_and_takes_policy_live() {
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert_eq!(out.status.code(), Some(4), "double detach");
-}
-
-/// Ingress at TC (`--ingress tc`, the hook IPoIB gets by itself) on real traffic: it counts
-/// what a peer sends, drops what a blocked peer sends and nothing once it is unblocked, and
-/// `detach` leaves no program behind (TCX link on 6.6+, a clsact filter below). B keeps XDP.
-#[test]
-fn tc_ingress_counts_blocks_and_detaches_clean() {
-    let Some(mut lab) = lab_or_skip("tc_ingress_counts_blocks_and_detaches_clean", "tci", false)
-    else {
-        return;
-    };
-    lab.attach(Which::A, &["--ingress", "tc"]).unwrap();
-    lab.attach(Which::B, &[]).unwrap();
-    let (a, b) = (lab.a.clone(), lab.b.clone());
-    let b_ip = b.ip4.to_string();
-    assert_eq!(a.status().unwrap().ingress, Some(IngressAttach::Tc));
-    let b_hook = b.status().unwrap().ingress;
-    assert!(
-        matches!(b_hook, Some(IngressAttach::Driver | IngressAttach::Generic)),
-        "{b_hook:?}"
-    );
-
-    ping(&a, &b_ip, 1, 56, "0.2");
-    assert!(
-        a.wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(10))
-            .is_some(),
-        "A has no entry for B"
-    );
-    let a0 = peer_or_zero(&a, &b_ip);
-    assert_eq!(ping(&a, &b_ip, 20, 56, "0.05"), (20, 20));
-    let a1 = a.peer_json(&b_ip).unwrap().expect("A sees B");
-    // B's 20 replies, received at A's TC ingress.
-    assert_eq!(u(&a1, "rx_packets") - u(&a0, "rx_packets"), 20);
-    assert_eq!(u(&a1, "rx_bytes") - u(&a0, "rx_bytes"), 20 * 84);
-
-    let block = |pin: &str| {
-        let out = a
-            .ctl(&["set-policy", &a.iface, &format!("peer={b_ip}:{pin}")])
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    block("block");
-    let s0 = a.status_json().unwrap();
-    assert_eq!(
-        ping(&a, &b_ip, 5, 56, "0.05"),
-        (5, 0),
-        "B's replies dropped"
-    );
-    let s1 = a.status_json().unwrap();
-    assert_eq!(
-        reason(&s1, "rx_drop_blocked") - reason(&s0, "rx_drop_blocked"),
-        5
-    );
-    block("auto");
-    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5), "unblocked");
-
-    let path = format!("/sys/fs/bpf/ipoib/{}/prog_ingress", a.iface);
-    let out = Command::new("bpftool")
-        .args(["-j", "prog", "show", "pinned", &path])
-        .output()
-        .unwrap();
-    let prog: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool json");
-    assert_eq!(prog["type"], "sched_cls", "{prog}");
-    let id = prog["id"].as_u64().expect("prog id");
-    let out = a.ctl(&["detach", &a.iface]).unwrap();
-    assert!(out.status.success());
-    let gone = wait_until(Duration::from_secs(3), || {
-        !Command::new("bpftool")
-            .args(["prog", "show", "id", &id.to_string()])
-            .output()
-            .unwrap()
-            .status
-            .success()
-    });
-    assert!(gone, "TC ingress program {id} still exists after detach");
-    assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
 }
 
 /// Each interface has its own handshake listener on the same port (SO_BINDTODEVICE): another
