@@ -39,8 +39,7 @@ pub enum DatapathError {
 }
 
 /// The programs loaded into the kernel (not attached), and their maps. Egress is loaded with
-/// the object; an ingress program on first use, so only the hook attached costs its
-/// verification (most of an attach's time in the VM).
+/// the object; an ingress program on first use, so only the hook attached is verified.
 pub struct Datapath {
     ebpf: Ebpf,
     /// Must stay alive: dropping it closes the log map the programs refer to.
@@ -68,7 +67,7 @@ impl Datapath {
     ) -> Result<Self, DatapathError> {
         raise_memlock_limit();
         // No kernel BTF for relocation: the programs read no kernel structure (no CO-RE).
-        // `Ebpf::load` would parse the kernel's BTF a second time, most of an attach's time.
+        // `Ebpf::load` would parse the kernel's BTF (megabytes) a second time.
         let mut ebpf = EbpfLoader::new().btf(None).load(object)?;
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(l) => Some(l),
