@@ -120,6 +120,19 @@ impl Node {
             .args(args))
     }
 
+    /// `ipoib-ctl set-policy IFACE SETTING`, which must succeed (its stderr in the error if
+    /// not); its output, for what it printed.
+    pub fn set_policy(&self, setting: &str) -> Result<Output> {
+        let out = self.ctl(&["set-policy", &self.iface, setting])?;
+        if !out.status.success() {
+            bail!(
+                "set-policy {setting} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(out)
+    }
+
     /// `ipoib-ctl status IFACE --json`, as JSON (for tests that read paths of it).
     pub fn status_json(&self) -> Result<serde_json::Value> {
         let out = self.ctl(&["status", &self.iface, "--json"])?;

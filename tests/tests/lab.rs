@@ -113,12 +113,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
 
     // set-policy takes effect on the live datapath.
     let s0 = a.status_json().unwrap();
-    let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    a.set_policy("mode=datagram").unwrap();
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
     let s1 = a.status_json().unwrap();
     assert_eq!(
@@ -126,8 +121,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
         5
     );
     assert_eq!(s1["policy"]["mode"], "datagram");
-    let out = a.ctl(&["set-policy", &a.iface, "mode=auto"]).unwrap();
-    assert!(out.status.success());
+    a.set_policy("mode=auto").unwrap();
     assert_eq!(ping(&a, &b_ip, 5, 56, "0.05"), (5, 5));
     let s2 = a.status_json().unwrap();
     assert_eq!(
@@ -137,16 +131,7 @@ fn lab_counts_traffic_and_takes_policy_live() {
     assert_eq!(reason(&s2, "tx_ud_small") - reason(&s1, "tx_ud_small"), 5);
 
     // A block drops at A's TC ingress what B sends (B's replies), and nothing once lifted.
-    let pin = |p: &str| {
-        let out = a
-            .ctl(&["set-policy", &a.iface, &format!("peer={b_ip}:{p}")])
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
+    let pin = |p: &str| a.set_policy(&format!("peer={b_ip}:{p}")).unwrap();
     pin("block");
     assert_eq!(
         ping(&a, &b_ip, 5, 56, "0.05"),
@@ -259,10 +244,7 @@ fn bpftool_shows_programs_and_field_names() {
     lab.attach(Which::A, &[]).unwrap();
     let a = lab.a.clone();
     let b_ip = lab.b.ip4.to_string();
-    let out = a
-        .ctl(&["set-policy", &a.iface, &format!("peer={b_ip}:ud")])
-        .unwrap();
-    assert!(out.status.success());
+    a.set_policy(&format!("peer={b_ip}:ud")).unwrap();
     ping(&a, &b_ip, 2, 56, "0.1");
     let dir = format!("/sys/fs/bpf/ipoib/{}", a.iface);
     let dump = |map: &str| {

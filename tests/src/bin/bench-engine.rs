@@ -99,12 +99,7 @@ fn wait_mode(a: &Node, peer: &str, mode: PeerModeView, within: Duration) -> Resu
 }
 
 fn set_mode(a: &Node, mode: &str) -> Result<()> {
-    let out = a.ctl(&["set-policy", &a.iface, &format!("mode={mode}")])?;
-    ensure!(
-        out.status.success(),
-        "set-policy: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    a.set_policy(&format!("mode={mode}"))?;
     Ok(())
 }
 

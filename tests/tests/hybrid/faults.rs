@@ -774,8 +774,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     // mode=datagram drains the connection; the engine forgets what it tracked for it.
     let flows = || engine_flows(&a);
     assert!(flows().is_some_and(|f| f >= 1), "A's engine tracks no flow");
-    let out = a.ctl(&["set-policy", &a.iface, "mode=datagram"]).unwrap();
-    assert!(out.status.success());
+    a.set_policy("mode=datagram").unwrap();
     a.wait_peer_mode(&b_ip, PeerModeView::Ud, Duration::from_secs(10))
         .expect("mode=datagram drained B");
     wait_until(Duration::from_secs(10), || flows() == Some(0));

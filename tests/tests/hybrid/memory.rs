@@ -199,12 +199,7 @@ fn cap_raised_and_lowered(a: &Node, peers: &[Node], mem: &mut MemoryWatch) {
         held_now()
     };
     let set = |setting: &str| {
-        let out = a.ctl(&["set-policy", &a.iface, setting]).unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = a.set_policy(setting).unwrap();
         eprintln!(
             "set-policy {setting}: {}",
             String::from_utf8_lossy(&out.stdout).trim()

@@ -79,14 +79,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
         .map(|k| engine_count(cm, k))
     };
     let cap = |n: u32| {
-        let out = a
-            .ctl(&["set-policy", &a.iface, &format!("max-connections={n}")])
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        a.set_policy(&format!("max-connections={n}")).unwrap();
     };
     let flows = || engine_flows(&a);
     let rounds = if long_run() { 5 } else { 3 };
