@@ -28,7 +28,7 @@ use clap::{Parser, Subcommand};
                   cargo xtask install        ipoib-ctl, its systemd unit, completions and man pages\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
-                  cargo xtask bench hop      TCP through the engine's TUN hop vs veth stand-ins for UD\n  \
+                  cargo xtask bench hop      TCP through the engine's hop (3 designs) vs stand-ins for UD\n  \
                   cargo xtask bench tick     the policy's tick at 4096 peers (release)\n  \
                   cargo xtask bench verbs    RC message rate vs ib_send_bw on soft-RoCE (VM)\n  \
                   cargo xtask bench engine   TCP over CM (SRQ, rings) vs UD between the lab's nodes (VM)\n  \
@@ -194,9 +194,10 @@ enum Bench {
         streams: u32,
     },
     /// On this machine's kernel (root): TCP between two namespaces through the engine's TUN
-    /// hop (two TUN devices and a relay), over the kernel's UD stand-ins (veth at MTU 2044
-    /// without offloads, at 4092 with software GSO and GRO) and over a plain veth, 1 and N
-    /// streams, interleaved: Gbit/s and CPU seconds per GB.
+    /// hop (two TUN devices and a relay: read and write, io_uring, a packet-mmap ring), over
+    /// the kernel's UD stand-ins (veth at MTU 2044 without offloads, at 4092 with software GSO
+    /// and GRO) and over a plain veth, 1 and N streams, interleaved: Gbit/s, CPU seconds per
+    /// GB, the relay's system calls per packet.
     Hop {
         /// Seconds per measurement.
         #[arg(long, default_value_t = 5)]
@@ -207,6 +208,13 @@ enum Bench {
         /// Streams of the many-stream case.
         #[arg(long, default_value_t = 4)]
         streams: u32,
+        /// Only these paths (e.g. hop,hop-mmap,ud-4092,veth).
+        #[arg(long, value_delimiter = ',')]
+        paths: Vec<String>,
+        /// In the VM (Debian's 6.1 under emulation: it shows what runs on the floor kernel,
+        /// not what it costs).
+        #[arg(long)]
+        vm: bool,
     },
     /// The receive hook for IPoIB (root): TCP through a veth with GRO, forced into generic
     /// XDP, against TC ingress and no program, each hook with a trivial program and with the
@@ -335,8 +343,27 @@ fn main() -> Result<()> {
                     seconds,
                     rounds,
                     streams,
+                    paths,
+                    vm,
                 },
-        } => bench_hop(&root, seconds, rounds, streams),
+        } => {
+            let mut args = vec![
+                "--seconds".to_string(),
+                seconds.to_string(),
+                "--rounds".into(),
+                rounds.to_string(),
+                "--streams".into(),
+                streams.to_string(),
+            ];
+            if !paths.is_empty() {
+                args.extend(["--paths".into(), paths.join(",")]);
+            }
+            if vm {
+                bench_in_vm(&root, "bench-hop", &args, "hop-vm.json")
+            } else {
+                bench_hop(&root, &args)
+            }
+        }
         Cmd::Bench {
             what:
                 Bench::Hook {
@@ -484,7 +511,7 @@ fn existing_file(p: &Path, flag: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
-fn bench_hop(root: &Path, seconds: u32, rounds: u32, streams: u32) -> Result<()> {
+fn bench_hop(root: &Path, args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("this benchmark needs root (network namespaces, TUN and veth devices)");
     }
@@ -501,9 +528,7 @@ fn bench_hop(root: &Path, seconds: u32, rounds: u32, streams: u32) -> Result<()>
             "bench-hop",
         ])
         .arg("--")
-        .args(["--seconds", &seconds.to_string()])
-        .args(["--rounds", &rounds.to_string()])
-        .args(["--streams", &streams.to_string()])
+        .args(args)
         .arg("--out")
         .arg(&out)
         .status_ok("bench-hop")

@@ -40,6 +40,10 @@
 //! dropped for want of a free frame. The median
 //! of the rounds is reported, with ratios to `veth` of the same stream count. One JSON line
 //! after `BENCH-JSON `; `--out` saves it.
+//!
+//! With `hop-mmap`, first: whether this kernel lets a packet ring's mapping be registered,
+//! as io_uring fixed buffers and as a verbs memory region on the first RDMA device (which
+//! would let its frames be sent over RC with no copy in userspace at all).
 
 use std::{
     collections::BTreeMap,
@@ -508,6 +512,78 @@ impl Drop for PacketRing {
     }
 }
 
+/// Whether a packet ring's mapping can be registered with io_uring (as fixed buffers) and
+/// with verbs (as a memory region on the first RDMA device, read-only and writable): "ok",
+/// or the error.
+fn ring_registration() -> serde_json::Value {
+    let ring = match PacketRing::open("lo") {
+        Ok(r) => r,
+        Err(e) => return json!({ "ring": e.to_string() }),
+    };
+    let len = RING_FRAME * RING_FRAMES;
+    let outcome = |r: std::io::Result<()>| r.map_or_else(|e| e.to_string(), |()| "ok".into());
+    let uring = io_uring::IoUring::new(4).and_then(|ring_| {
+        let iov = libc::iovec {
+            iov_base: ring.map.cast(),
+            iov_len: len,
+        };
+        // SAFETY: the mapping outlives the io_uring, which is dropped at once.
+        unsafe { ring_.submitter().register_buffers(&[iov]) }
+    });
+    json!({
+        "io_uring_fixed_buffers": outcome(uring),
+        "verbs_mr_read": verbs_register(ring.map, len, 0),
+        "verbs_mr_write": verbs_register(
+            ring.map,
+            len,
+            ibverbs_sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32,
+        ),
+    })
+}
+
+/// Registers `len` bytes at `addr` with `access` as a memory region on the first RDMA device,
+/// then lets it go: "ok on DEVICE", the error, or "no RDMA device".
+fn verbs_register(addr: *mut u8, len: usize, access: i32) -> String {
+    use ibverbs_sys as v;
+    let err = || std::io::Error::last_os_error().to_string();
+    let mut n = 0;
+    // SAFETY: plain verbs calls; each object made is let go before return, in reverse.
+    unsafe {
+        let list = v::ibv_get_device_list(&mut n);
+        if list.is_null() || n == 0 {
+            if !list.is_null() {
+                v::ibv_free_device_list(list);
+            }
+            return "no RDMA device".into();
+        }
+        let dev = *list;
+        let name = std::ffi::CStr::from_ptr(v::ibv_get_device_name(dev))
+            .to_string_lossy()
+            .into_owned();
+        let ctx = v::ibv_open_device(dev);
+        v::ibv_free_device_list(list);
+        if ctx.is_null() {
+            return format!("ibv_open_device {name}: {}", err());
+        }
+        let pd = v::ibv_alloc_pd(ctx);
+        let out = if pd.is_null() {
+            format!("ibv_alloc_pd {name}: {}", err())
+        } else {
+            let mr = v::ibv_reg_mr(pd, addr.cast(), len, access);
+            let out = if mr.is_null() {
+                format!("ibv_reg_mr on {name}: {}", err())
+            } else {
+                v::ibv_dereg_mr(mr);
+                format!("ok on {name}")
+            };
+            v::ibv_dealloc_pd(pd);
+            out
+        };
+        v::ibv_close_device(ctx);
+        out
+    }
+}
+
 /// `user_data` of the poll for a filled frame.
 const POLLED: u64 = u64::MAX;
 
@@ -802,6 +878,14 @@ fn main() -> Result<()> {
         .enumerate()
         .map(|(i, k)| Pair::new(*k, i as u8 + 1))
         .collect::<Result<_>>()?;
+    let registration = kinds.contains(&Kind::HopMmap).then(|| {
+        // soft-RoCE where the kernel has it (the VM), for the verbs registration.
+        let _ = ipoib_tests::cmlab::rxe_device();
+        ring_registration()
+    });
+    if let Some(r) = &registration {
+        eprintln!("packet ring mapping registered: {r}");
+    }
     let counts = if args.streams == 1 {
         vec![1]
     } else {
@@ -828,7 +912,7 @@ fn main() -> Result<()> {
         }
     }
     drop(pairs);
-    report(&args, &kinds, &counts, &runs)
+    report(&args, &kinds, &counts, &runs, registration)
 }
 
 fn report(
@@ -836,6 +920,7 @@ fn report(
     kinds: &[Kind],
     counts: &[u32],
     runs: &BTreeMap<(Kind, u32), Vec<Run>>,
+    registration: Option<serde_json::Value>,
 ) -> Result<()> {
     let m = |k: Kind, s: u32, f: fn(&Run) -> Option<f64>| {
         let v: Vec<f64> = runs.get(&(k, s))?.iter().filter_map(f).collect();
@@ -894,7 +979,7 @@ fn report(
     }
     let result = json!({
         "bench": "hop", "kernel": kernel.trim(), "cpus": cpus, "seconds": args.seconds,
-        "rounds": args.rounds, "rows": rows,
+        "rounds": args.rounds, "rows": rows, "ring_registration": registration,
     });
     publish(&result, args.out.as_deref())
 }
