@@ -36,7 +36,8 @@
 //! Measured per run: Gbit/s (iperf3's receiver side), CPU seconds per GB moved over all CPUs
 //! (/proc/stat across the run: iperf3 on both ends, the kernel's softirqs, the relay), and
 //! for the hops the relay's own CPU per GB (this process's, io_uring's workers included), the
-//! mean packet it moved and its system calls per packet; for `hop-mmap` the packets its rings
+//! mean of the data packets it moved (1 KiB or more), its other packets (ACKs) per data packet
+//! and its system calls per packet; for `hop-mmap` the packets its rings
 //! dropped for want of a free frame. The median
 //! of the rounds is reported, with ratios to `veth` of the same stream count. One JSON line
 //! after `BENCH-JSON `; `--out` saves it.
@@ -140,6 +141,9 @@ impl Kind {
     }
 }
 
+/// Packets of at least this many bytes carry data; the rest are ACKs and the like.
+const LARGE: u64 = 1024;
+
 /// What a relay thread moved.
 #[derive(Default)]
 struct Moved {
@@ -148,8 +152,45 @@ struct Moved {
     /// System calls made moving them (reads, writes and waits; io_uring enters).
     calls: AtomicU64,
     packets: AtomicU64,
-    bytes: AtomicU64,
+    /// Packets of [`LARGE`] bytes or more, and their bytes.
+    large: AtomicU64,
+    large_bytes: AtomicU64,
     errors: AtomicU64,
+}
+
+impl Moved {
+    /// Counts one packet of `n` bytes moved.
+    fn packet(&self, n: u64) {
+        self.packets.fetch_add(1, Ordering::Relaxed);
+        if n >= LARGE {
+            self.large.fetch_add(1, Ordering::Relaxed);
+            self.large_bytes.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What every relay thread of a hop moved so far, or between two points.
+#[derive(Clone, Copy, Default)]
+struct Totals {
+    packets: u64,
+    large: u64,
+    large_bytes: u64,
+    errors: u64,
+    calls: u64,
+    drops: u64,
+}
+
+impl Totals {
+    fn since(self, before: Totals) -> Totals {
+        Totals {
+            packets: self.packets - before.packets,
+            large: self.large - before.large,
+            large_bytes: self.large_bytes - before.large_bytes,
+            errors: self.errors - before.errors,
+            calls: self.calls - before.calls,
+            drops: self.drops - before.drops,
+        }
+    }
 }
 
 /// The hop: two TUN devices and a thread per queue and direction between them.
@@ -166,21 +207,22 @@ impl Relay {
         stat_ticks("/proc/self/stat")
     }
 
-    /// Packets, bytes, errors, system calls and ring drops of every relay thread so far.
-    fn totals(&self) -> [u64; 5] {
+    /// What every relay thread moved so far.
+    fn totals(&self) -> Totals {
         let f = |get: fn(&Moved) -> &AtomicU64| {
             self.moved
                 .iter()
                 .map(|m| get(m).load(Ordering::Relaxed))
                 .sum()
         };
-        [
-            f(|m| &m.packets),
-            f(|m| &m.bytes),
-            f(|m| &m.errors),
-            f(|m| &m.calls),
-            f(|m| &m.drops),
-        ]
+        Totals {
+            packets: f(|m| &m.packets),
+            large: f(|m| &m.large),
+            large_bytes: f(|m| &m.large_bytes),
+            errors: f(|m| &m.errors),
+            calls: f(|m| &m.calls),
+            drops: f(|m| &m.drops),
+        }
     }
 }
 
@@ -225,8 +267,7 @@ fn relay(from: Arc<Tun>, to: Arc<Tun>, copy: bool, stop: Arc<AtomicBool>, moved:
                 };
                 moved.calls.fetch_add(1, Ordering::Relaxed);
                 if to.send(pkt).is_ok() {
-                    moved.packets.fetch_add(1, Ordering::Relaxed);
-                    moved.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    moved.packet(n as u64);
                 } else {
                     moved.errors.fetch_add(1, Ordering::Relaxed);
                 }
@@ -311,8 +352,7 @@ fn try_relay_uring(from: &Tun, to: &Tun, stop: &AtomicBool, moved: &Moved) -> st
                 if res < 0 {
                     moved.errors.fetch_add(1, Ordering::Relaxed);
                 } else {
-                    moved.packets.fetch_add(1, Ordering::Relaxed);
-                    moved.bytes.fetch_add(res as u64, Ordering::Relaxed);
+                    moved.packet(res as u64);
                 }
                 next.push(read(i));
             } else if res > 0 {
@@ -682,10 +722,7 @@ fn try_relay_ring(
                 continue;
             }
             if cqe.result() > 0 {
-                moved.packets.fetch_add(1, Ordering::Relaxed);
-                moved
-                    .bytes
-                    .fetch_add(cqe.result() as u64, Ordering::Relaxed);
+                moved.packet(cqe.result() as u64);
             } else if cqe.result() < 0 {
                 moved.errors.fetch_add(1, Ordering::Relaxed);
             }
@@ -823,18 +860,20 @@ impl Pair {
             gbit_s: io.gbit_s,
             cpu_s_per_gb: io.cpu_s_per_gb(),
             relay_cpu_s_per_gb: None,
-            relay_mean_bytes: None,
+            relay_data_bytes: None,
+            relay_small_per_data: None,
             relay_calls_per_packet: None,
             ring_drops: None,
         };
-        if let (Some(r), Some((t0, [p0, b0, e0, c0, d0]))) = (&self.relay, relay0) {
-            let (t1, [p1, b1, e1, c1, d1]) = (r.ticks()?, r.totals());
-            run.ring_drops = (self.kind == Kind::HopMmap).then_some(d1 - d0);
-            ensure!(e1 == e0, "the relay failed {} writes", e1 - e0);
-            let packets = (p1 - p0).max(1) as f64;
+        if let (Some(r), Some((t0, before))) = (&self.relay, relay0) {
+            let (t1, d) = (r.ticks()?, r.totals().since(before));
+            run.ring_drops = (self.kind == Kind::HopMmap).then_some(d.drops);
+            ensure!(d.errors == 0, "the relay failed {} writes", d.errors);
+            let (packets, large) = (d.packets.max(1) as f64, d.large.max(1) as f64);
             run.relay_cpu_s_per_gb = Some((t1 - t0?) as f64 / TICKS_PER_S / gb);
-            run.relay_mean_bytes = Some((b1 - b0) as f64 / packets);
-            run.relay_calls_per_packet = Some((c1 - c0) as f64 / packets);
+            run.relay_data_bytes = Some(d.large_bytes as f64 / large);
+            run.relay_small_per_data = Some((d.packets - d.large) as f64 / large);
+            run.relay_calls_per_packet = Some(d.calls as f64 / packets);
         }
         Ok(run)
     }
@@ -845,7 +884,10 @@ struct Run {
     gbit_s: f64,
     cpu_s_per_gb: f64,
     relay_cpu_s_per_gb: Option<f64>,
-    relay_mean_bytes: Option<f64>,
+    /// Mean bytes of the relay's data packets ([`LARGE`] bytes or more).
+    relay_data_bytes: Option<f64>,
+    /// The relay's other packets (ACKs) per data packet.
+    relay_small_per_data: Option<f64>,
     relay_calls_per_packet: Option<f64>,
     /// Packets the packet ring dropped for want of a frame (counted with a lag).
     ring_drops: Option<u64>,
@@ -935,7 +977,7 @@ fn report(
         kernel.trim()
     );
     println!(
-        "{:<9} {:>7} {:>8} {:>9} {:>10} {:>10} {:>14} {:>12} {:>13}",
+        "{:<9} {:>7} {:>8} {:>9} {:>10} {:>10} {:>14} {:>12} {:>10} {:>13}",
         "path",
         "streams",
         "Gbit/s",
@@ -943,7 +985,8 @@ fn report(
         "Gbit/veth",
         "CPU/veth",
         "relay CPU s/GB",
-        "relay mean B",
+        "data mean B",
+        "small/data",
         "syscalls/pkt"
     );
     let mut rows = Vec::new();
@@ -954,22 +997,24 @@ fn report(
             let g = m(k, s, |r| Some(r.gbit_s)).unwrap_or(f64::NAN);
             let c = m(k, s, |r| Some(r.cpu_s_per_gb)).unwrap_or(f64::NAN);
             let rc = m(k, s, |r| r.relay_cpu_s_per_gb);
-            let rb = m(k, s, |r| r.relay_mean_bytes);
+            let rb = m(k, s, |r| r.relay_data_bytes);
+            let ra = m(k, s, |r| r.relay_small_per_data);
             let rs = m(k, s, |r| r.relay_calls_per_packet);
             let opt = |v: Option<f64>, p: usize| v.map_or("-".into(), |v| format!("{v:.p$}"));
             println!(
-                "{:<9} {s:>7} {g:>8.2} {c:>9.2} {:>10.2} {:>10.2} {:>14} {:>12} {:>13}",
+                "{:<9} {s:>7} {g:>8.2} {c:>9.2} {:>10.2} {:>10.2} {:>14} {:>12} {:>10} {:>13}",
                 k.name(),
                 g / veth_g,
                 c / veth_c,
                 opt(rc, 2),
                 opt(rb, 0),
+                opt(ra, 2),
                 opt(rs, 2)
             );
             rows.push(json!({
                 "path": k.name(), "streams": s, "gbit_s": g, "cpu_s_per_gb": c,
                 "gbit_over_veth": g / veth_g, "cpu_over_veth": c / veth_c,
-                "relay_cpu_s_per_gb": rc, "relay_mean_bytes": rb,
+                "relay_cpu_s_per_gb": rc, "relay_data_bytes": rb, "relay_small_per_data": ra,
                 "relay_syscalls_per_packet": rs,
                 "rounds": runs[&(k, s)].iter().map(|r| json!({
                     "gbit_s": r.gbit_s, "cpu_s_per_gb": r.cpu_s_per_gb, "ring_drops": r.ring_drops,
