@@ -12,12 +12,17 @@ pub fn monotonic_coarse_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }
 
+/// Nanoseconds of CPU time the calling thread has used (CLOCK_THREAD_CPUTIME_ID).
+pub fn thread_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
 fn clock_ns(id: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: valid pointer to a timespec; both clocks above always exist on Linux.
+    // SAFETY: valid pointer to a timespec; the clocks above always exist on Linux.
     let rc = unsafe { libc::clock_gettime(id, &mut ts) };
     debug_assert_eq!(rc, 0);
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -54,6 +59,25 @@ mod tests {
         assert!(
             coarse.abs_diff(elapsed) < 20_000_000,
             "{coarse} vs {elapsed}"
+        );
+    }
+
+    /// The thread's CPU clock counts its work, not its sleep.
+    #[test]
+    fn the_thread_cpu_clock_counts_work_not_sleep() {
+        let t0 = thread_cpu_ns();
+        std::thread::sleep(Duration::from_millis(200));
+        let slept = thread_cpu_ns() - t0;
+        let t1 = thread_cpu_ns();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(200) {
+            std::hint::black_box(0u64);
+        }
+        let worked = thread_cpu_ns() - t1;
+        assert!(slept < 50_000_000, "asleep it used {slept} ns");
+        assert!(
+            worked > slept && worked > 20_000_000,
+            "busy it used {worked} ns"
         );
     }
 }

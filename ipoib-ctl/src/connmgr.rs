@@ -638,7 +638,8 @@ impl Manager {
             .map(PeerStatus::from)
             .collect();
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let engine = EngineStats::total(self.engine.stats.iter().map(|s| &**s)).snapshot();
+        let total = EngineStats::total(self.engine.stats.iter().map(|s| &**s));
+        let engine = total.snapshot();
         CmStatus {
             device: self.opts.device.clone(),
             tun: self.tun.clone(),
@@ -675,6 +676,7 @@ impl Manager {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
+            engine_cpu_ns: total.cpu_ns.load(Ordering::Relaxed),
             peers,
         }
     }
@@ -731,6 +733,7 @@ impl From<CmPeer> for PeerStatus {
                 secs_ago: l.ago.as_secs(),
             }),
             promotions: p.promotions,
+            waiting_for_plan: p.waiting_for_plan,
         }
     }
 }

@@ -119,6 +119,8 @@ struct Io {
     closing: HashMap<u32, Vec<Arc<CloseWhenDone>>>,
     /// Closed QPs on the SRQ, held until drained ([`graves`]).
     graves: graves::Graves<Arc<RcQueuePair>>,
+    /// The thread's CPU time when the loop started ([`EngineStats::cpu_ns`] counts from it).
+    cpu_start_ns: u64,
 }
 
 /// How often flows of gone connections are forgotten, receive totals reported and the
@@ -182,20 +184,7 @@ impl Engine {
         if res.lanes.iter().any(|l| l.cq.channel_fd().is_none()) {
             return Err(EngineError::NoChannel);
         }
-        let steering = match queues.len() {
-            1 => None,
-            n => {
-                let t0 = std::time::Instant::now();
-                let s = Steering::attach(&queues[0])?;
-                tracing::info!(
-                    "{}: {n} queues, each destination steered to its route's (the program \
-                     given in {:.1?})",
-                    queues[0].name(),
-                    t0.elapsed()
-                );
-                Some(Arc::new(Mutex::new(s)))
-            }
-        };
+        let steering = steer_queues(&queues)?;
         let (senders, receivers): (Vec<_>, Vec<_>) =
             queues.iter().map(|_| mpsc::unbounded_channel()).unzip();
         let control = EngineControl(senders.into());
@@ -220,6 +209,7 @@ impl Engine {
                         events: None,
                         closing: HashMap::new(),
                         graves: graves::Graves::default(),
+                        cpu_start_ns: 0,
                     },
                     commands,
                     control: control.clone(),
@@ -305,6 +295,7 @@ impl Engine {
         }
         .map_err(|e| tun_err(e.into_parts().1))?;
         self.io.lane.cq.arm()?;
+        self.io.cpu_start_ns = crate::clock::thread_cpu_ns();
         // Completions left for the next turn (the last turn took its share and stopped).
         let mut more = self.io.completions(&self.tun)?;
         tokio::pin!(stop);
@@ -490,13 +481,15 @@ impl Io {
         }
     }
 
-    /// The engine's proof of life renewed, and the core's housekeeping: its keepalives (a
-    /// message of [`KEEPALIVE_LEN`] zero bytes, which no IP packet is) posted.
+    /// The engine's proof of life and its CPU time renewed, and the core's housekeeping: its
+    /// keepalives (a message of [`KEEPALIVE_LEN`] zero bytes, which no IP packet is) posted.
     fn housekeeping(&mut self) {
-        self.core
-            .stats()
+        let stats = self.core.stats();
+        stats
             .alive_ns
             .store(crate::clock::monotonic_ns(), Ordering::Relaxed);
+        let cpu = crate::clock::thread_cpu_ns().saturating_sub(self.cpu_start_ns);
+        stats.cpu_ns.store(cpu, Ordering::Relaxed);
         let send = &self.res.send;
         self.core.housekeeping(|qp, slot| {
             // SAFETY: the slot was free: nothing posted uses it until its send completes.
@@ -604,6 +597,23 @@ impl Io {
     }
 }
 
+/// With several queues, the device's steering (each destination to its route's queue); with
+/// one, none.
+fn steer_queues(queues: &[Tun]) -> Result<Option<Arc<Mutex<Steering>>>, EngineError> {
+    if queues.len() == 1 {
+        return Ok(None);
+    }
+    let t0 = std::time::Instant::now();
+    let s = Steering::attach(&queues[0])?;
+    tracing::info!(
+        "{}: {} queues, each destination steered to its route's (the program given in {:.1?})",
+        queues[0].name(),
+        queues.len(),
+        t0.elapsed()
+    );
+    Ok(Some(Arc::new(Mutex::new(s))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::{control::COUNTERS, *};
@@ -620,15 +630,17 @@ mod tests {
     }
 
     #[test]
-    fn lanes_counters_add_up_but_the_largest_and_the_oldest_proof_of_life() {
+    fn lanes_counters_and_cpu_add_up_but_the_largest_and_the_oldest_proof_of_life() {
         let (a, b) = (EngineStats::default(), EngineStats::default());
         for (s, n) in [(&a, 1), (&b, 10)] {
             for (_, c) in COUNTERS {
                 c(s).store(n, Ordering::Relaxed);
             }
             s.alive_ns.store(100 * n, Ordering::Relaxed);
+            s.cpu_ns.store(1000 * n, Ordering::Relaxed);
         }
         let t = EngineStats::total([&a, &b]);
+        assert_eq!(t.cpu_ns.load(Ordering::Relaxed), 11_000);
         for (name, v) in t.snapshot() {
             let want = if name == "tx_largest" { 10 } else { 11 };
             assert_eq!(v, want, "{name}");

@@ -98,15 +98,7 @@ pub fn render(s: &Status, per_peer: bool) -> String {
     if let Some(c) = &s.peer_cache {
         peer_cache_metrics(&mut reg, &iface, c);
     }
-    let hb_age = s.heartbeat_age_ms.map(|ms| ms as f64 / 1e3);
-    if let Some(age) = hb_age {
-        let g: FloatGauges = family(
-            &mut reg,
-            "heartbeat_age_seconds",
-            "Age of the heartbeat the fast path trusts",
-        );
-        g.get_or_create(&iface).set(age);
-    }
+    heartbeat_metrics(&mut reg, &iface, s);
     let mut gauges = vec![
         (
             "failsafe_active",
@@ -146,6 +138,27 @@ pub fn render(s: &Status, per_peer: bool) -> String {
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing into a String");
     out
+}
+
+/// The heartbeat's age (when there is one) and the timeout it is held to.
+fn heartbeat_metrics(reg: &mut Registry, iface: &Iface, s: &Status) {
+    if let Some(ms) = s.heartbeat_age_ms {
+        let g: FloatGauges = family(
+            reg,
+            "heartbeat_age_seconds",
+            "Age of the heartbeat the fast path trusts",
+        );
+        g.get_or_create(iface).set(ms as f64 / 1e3);
+    }
+    let timeout: FloatGauges = family(
+        reg,
+        "heartbeat_timeout_seconds",
+        "The heartbeat's age past which the fail-safe sends every packet UD (the policy's \
+         heartbeat-timeout)",
+    );
+    timeout
+        .get_or_create(iface)
+        .set(s.policy.heartbeat_timeout_ms as f64 / 1e3);
 }
 
 /// The fast path's decisions by reason: packets and bytes.
@@ -279,6 +292,14 @@ fn cm_counters(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
         let c: Family<Iface, Counter> = family(reg, name, help);
         c.get_or_create(iface).inc_by(v);
     }
+    let cpu: Family<Iface, Counter<f64, AtomicU64>> = family(
+        reg,
+        "cm_engine_cpu_seconds",
+        "CPU time of the connected-mode engine's threads (with one lane, the control loop's \
+         too)",
+    );
+    cpu.get_or_create(iface)
+        .inc_by(cm.engine_cpu_ns as f64 / 1e9);
     cm_peers(reg, iface, cm);
     let engine: Family<Event, Counter> =
         family(reg, "engine_events", "The connected-mode engine's counters");
@@ -306,6 +327,14 @@ fn cm_peers(reg: &mut Registry, iface: &Iface, cm: &CmStatus) {
         };
         peers.get_or_create(&l).set(n as i64);
     }
+    let waiting: Gauges = family(
+        reg,
+        "cm_peers_waiting_for_plan",
+        "Peers worth a connection but kept on UD because the memory plan is full",
+    );
+    waiting
+        .get_or_create(iface)
+        .set(cm.peers.iter().filter(|p| p.waiting_for_plan).count() as i64);
     let failing: Family<FailureReason, Gauge> = family(
         reg,
         "cm_peers_failing",
@@ -372,6 +401,7 @@ mod tests {
             c["srq_low_events"] = 1.into();
             c["tick_late_max_ms"] = 125.into();
             c["engine_lanes"] = 2.into();
+            c["engine_cpu_ns"] = 1_500_000_000u64.into();
             c["ud_path"] = "offloaded".into();
             c["receive"]["registered_bytes"] = 4194304.into();
             c["receive"]["budget_bytes"] = 16777216.into();
@@ -388,7 +418,10 @@ mod tests {
                 // Up again after a failure: failing no more.
                 {"addr": "10.0.0.5", "state": "cm", "why": "", "failures": 1,
                  "last_failure": {"reason": "timeout", "said": "", "secs_ago": 30},
-                 "promotions": 2}
+                 "promotions": 2},
+                {"addr": "10.0.0.6", "state": "ud", "why": "", "failures": 0,
+                 "promotions": 0, "waiting_for_plan": true},
+                {"addr": "10.0.0.7", "state": "ud", "why": "", "failures": 0, "promotions": 0}
             ]);
             v["cm"] = c;
         }
@@ -415,11 +448,13 @@ mod tests {
                 3.0,
             ),
             (r#"ipoib_heartbeat_age_seconds{iface="ib0"}"#, 0.25),
+            (r#"ipoib_heartbeat_timeout_seconds{iface="ib0"}"#, 3.0),
             (r#"ipoib_failsafe_active{iface="ib0"}"#, 0.0),
             (r#"ipoib_loop_running{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_running{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_connections{iface="ib0"}"#, 1.0),
             (r#"ipoib_cm_engine_lanes{iface="ib0"}"#, 2.0),
+            (r#"ipoib_cm_engine_cpu_seconds_total{iface="ib0"}"#, 1.5),
             (r#"ipoib_cm_max_connections{iface="ib0"}"#, 96.0),
             (
                 r#"ipoib_cm_receive_registered_bytes{iface="ib0"}"#,
@@ -443,7 +478,8 @@ mod tests {
                 0.0,
             ),
             (r#"ipoib_cm_peers{iface="ib0",state="backoff"}"#, 1.0),
-            (r#"ipoib_cm_peers{iface="ib0",state="ud"}"#, 0.0),
+            (r#"ipoib_cm_peers{iface="ib0",state="ud"}"#, 2.0),
+            (r#"ipoib_cm_peers_waiting_for_plan{iface="ib0"}"#, 1.0),
             (
                 r#"ipoib_engine_events_total{iface="ib0",event="tx_posted"}"#,
                 10.0,
@@ -452,7 +488,11 @@ mod tests {
         for (series, v) in want {
             assert_eq!(value(&t, series), Some(v), "{series} in:\n{t}");
         }
-        // Per-peer series only on request.
+    }
+
+    #[test]
+    fn per_peer_series_only_on_request() {
+        let t = render(&status(true), false);
         assert!(!t.contains("peer="), "{t}");
         let t = render(&status(true), true);
         let peer = r#"ipoib_peer_tx_bytes_total{iface="ib0",peer="10.0.0.2",path="#;
@@ -514,5 +554,53 @@ mod tests {
             "b 2\n"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The shipped alerting rules, their tests and the dashboard name only series that
+    /// `render` writes (or node_exporter's own): a metric renamed here breaks this test.
+    #[test]
+    fn the_shipped_rules_and_dashboard_name_only_series_it_writes() {
+        let text = render(&status(true), true);
+        let written: std::collections::BTreeSet<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .collect();
+        assert!(written.len() > 20, "{written:?}");
+        let shipped = [
+            (
+                "ipoib-hybrid.rules.yml",
+                include_str!("../../deploy/prometheus/ipoib-hybrid.rules.yml"),
+            ),
+            (
+                "ipoib-hybrid.rules.test.yml",
+                include_str!("../../deploy/prometheus/ipoib-hybrid.rules.test.yml"),
+            ),
+            (
+                "ipoib-hybrid.json",
+                include_str!("../../deploy/grafana/ipoib-hybrid.json"),
+            ),
+        ];
+        for (file, body) in shipped {
+            let names: Vec<&str> = body
+                .match_indices("ipoib_")
+                .map(|(i, _)| {
+                    let rest = &body[i..];
+                    let end = rest
+                        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .unwrap_or(rest.len());
+                    &rest[..end]
+                })
+                // `ipoib-ctl-IFACE.prom` in a file name is not a series.
+                .filter(|n| n.len() > "ipoib_".len())
+                .collect();
+            assert!(!names.is_empty(), "{file} names no series");
+            for n in names {
+                assert!(
+                    written.contains(n),
+                    "{file} names {n}, which ipoib-ctl does not write: {written:?}"
+                );
+            }
+        }
     }
 }

@@ -614,6 +614,14 @@ fn render_engine(out: &mut String, cm: &cm::CmStatus) {
         e("tx_congested"),
         cm.srq_low_events
     );
+    let cost = cm
+        .engine_cpu_s_per_gb()
+        .map_or(String::new(), |c| format!(" ({c:.2} s per GB moved)"));
+    let _ = writeln!(
+        out,
+        "    engine CPU: {:.1} s{cost}",
+        cm.engine_cpu_ns as f64 / 1e9
+    );
 }
 
 #[cfg(test)]
@@ -961,6 +969,19 @@ mod tests {
             assert!(out.contains(want), "{want:?} not in {out}");
         }
         assert!(out.starts_with("    engine: "), "one lane unsaid: {out}");
+        assert!(
+            out.ends_with("    engine CPU: 0.0 s\n"),
+            "no cost before enough moved: {out}"
+        );
+        cm.engine_cpu_ns = 2_500_000_000;
+        cm.engine.insert("tx_bytes".into(), 3_000_000_000);
+        cm.engine.insert("rx_bytes".into(), 2_000_000_000);
+        let mut out = String::new();
+        render_engine(&mut out, &cm);
+        assert!(
+            out.ends_with("    engine CPU: 2.5 s (0.50 s per GB moved)\n"),
+            "{out}"
+        );
         cm.engine_lanes = 2;
         let mut out = String::new();
         render_engine(&mut out, &cm);

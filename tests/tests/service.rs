@@ -670,3 +670,78 @@ fn the_unit_under_a_real_systemd_restarts_and_fires_its_watchdog() {
     drop(lab);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn deploy(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy")
+        .join(rel)
+}
+
+/// The shipped alerting rules pass `promtool check rules`, and their unit tests
+/// (`ipoib-hybrid.rules.test.yml`: each alert fires on series shaped as ipoib-ctl writes them,
+/// and stays silent beside them on a healthy twin) pass `promtool test rules`.
+#[test]
+fn the_alerting_rules_pass_their_promtool_tests() {
+    let rules = deploy("prometheus/ipoib-hybrid.rules.yml");
+    let check = output(
+        Command::new("promtool")
+            .arg("check")
+            .arg("rules")
+            .arg(&rules),
+    )
+    .unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert!(said.contains("SUCCESS: 8 rules found"), "{said}");
+    let test = output(
+        Command::new("promtool")
+            .args(["test", "rules"])
+            .arg(deploy("prometheus/ipoib-hybrid.rules.test.yml")),
+    )
+    .unwrap();
+    assert!(
+        test.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&test.stdout),
+        String::from_utf8_lossy(&test.stderr)
+    );
+}
+
+/// Every query of the shipped dashboard is PromQL that Prometheus parses (its variables set
+/// to match anything): each becomes a recording rule for `promtool check rules`. That the
+/// series it names are ones ipoib-ctl writes is checked beside the metrics' code.
+#[test]
+fn the_dashboards_queries_parse() {
+    let dash: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(deploy("grafana/ipoib-hybrid.json")).unwrap())
+            .unwrap();
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    let mut n = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let expr = expr.replace("$iface", ".*").replace("$instance", ".*");
+            n += 1;
+            rules.push_str(&format!(
+                "      - record: dashboard:query{n}\n        expr: {}\n",
+                serde_json::to_string(&expr).unwrap()
+            ));
+        }
+    }
+    assert!(n >= 8, "{n} queries");
+    let dir = scratch("dashboard");
+    let file = dir.join("dashboard.rules.yml");
+    std::fs::write(&file, &rules).unwrap();
+    let check = output(Command::new("promtool").args(["check", "rules"]).arg(&file)).unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && said.contains(&format!("SUCCESS: {n} rules found")),
+        "{said}{}\n{rules}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

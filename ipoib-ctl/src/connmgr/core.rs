@@ -23,7 +23,9 @@ use ipoib_common::PeerMode;
 pub use crate::cm::Gone;
 use crate::{
     policy::Mode,
-    promotion::{Action, Demotion, Failure, LastFailure, Pin, Promoter, Sample, State, UdPath},
+    promotion::{
+        Action, Demotion, Failure, LastFailure, Pin, Promoter, Sample, State, UdPath, UdWhy,
+    },
     status::cm::CmPeerState,
 };
 
@@ -83,6 +85,8 @@ pub struct CmPeer {
     pub failures: u32,
     pub last_failure: Option<LastFailure>,
     pub promotions: u64,
+    /// Worth a connection, but on UD because the memory plan is full.
+    pub waiting_for_plan: bool,
 }
 
 /// Connected mode's decision state for one interface.
@@ -382,6 +386,7 @@ impl Core {
                     failures: e.failures,
                     last_failure: e.last_failure,
                     promotions: e.promotions,
+                    waiting_for_plan: state == CmPeerState::Ud && e.why == Some(UdWhy::PlanFull),
                 })
             })
             .collect()

@@ -95,6 +95,10 @@ pub struct EngineStats {
     /// When the engine's loop last ran its housekeeping (monotonic ns): its proof of life,
     /// renewed every [`HOUSEKEEPING`] while the loop turns. Not a counter: not in snapshots.
     pub alive_ns: AtomicU64,
+    /// CPU time of the thread the engine runs on since its loop started (ns), renewed at each
+    /// housekeeping: what connected mode costs this node. With one lane the control loop
+    /// shares the thread, and its tick and handshakes are counted too. Not in snapshots.
+    pub cpu_ns: AtomicU64,
 }
 
 impl EngineStats {
@@ -117,8 +121,8 @@ impl EngineStats {
             .collect()
     }
 
-    /// The counters of the engines of several lanes as one: summed, but `tx_largest` (the
-    /// largest of them) and the proof of life (the oldest of them).
+    /// The counters of the engines of several lanes as one: summed (their CPU time too), but
+    /// `tx_largest` (the largest of them) and the proof of life (the oldest of them).
     pub fn total<'a>(all: impl IntoIterator<Item = &'a EngineStats>) -> EngineStats {
         let t = EngineStats {
             alive_ns: AtomicU64::new(u64::MAX),
@@ -134,6 +138,8 @@ impl EngineStats {
             }
             t.alive_ns
                 .fetch_min(s.alive_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+            t.cpu_ns
+                .fetch_add(s.cpu_ns.load(Ordering::Relaxed), Ordering::Relaxed);
         }
         t
     }

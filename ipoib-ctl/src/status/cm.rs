@@ -18,6 +18,9 @@ pub struct PeerStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<FailureStatus>,
     pub promotions: u64,
+    /// Worth a connection, but kept on UD because the memory plan is full.
+    #[serde(default)]
+    pub waiting_for_plan: bool,
 }
 
 /// Where a peer is in connected mode's policy; in JSON by its name (`backoff`).
@@ -131,7 +134,24 @@ pub struct CmStatus {
     #[serde(default)]
     pub engine_lanes: u32,
     pub engine: HashMap<String, u64>,
+    /// CPU time of the engines' threads since they started, all lanes (ns): see
+    /// [`crate::engine::EngineStats::cpu_ns`].
+    #[serde(default)]
+    pub engine_cpu_ns: u64,
     pub peers: Vec<PeerStatus>,
+}
+
+/// Bytes the engine must have moved before its CPU per byte is said: less says little.
+pub const COST_MIN_BYTES: u64 = 64 << 20;
+
+impl CmStatus {
+    /// The engine's CPU seconds per GB it moved (sent and received), once it has moved
+    /// [`COST_MIN_BYTES`].
+    pub fn engine_cpu_s_per_gb(&self) -> Option<f64> {
+        let e = |k: &str| self.engine.get(k).copied().unwrap_or(0);
+        let bytes = e("tx_bytes") + e("rx_bytes");
+        (bytes >= COST_MIN_BYTES).then(|| self.engine_cpu_ns as f64 / bytes as f64)
+    }
 }
 
 /// Where `iface`'s control loop writes its CM status.
@@ -154,6 +174,25 @@ pub struct NodeBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_engine_cost_is_said_once_it_has_moved_enough() {
+        let mut cm = CmStatus {
+            engine_cpu_ns: 300_000_000,
+            ..CmStatus::default()
+        };
+        assert_eq!(cm.engine_cpu_s_per_gb(), None, "nothing moved");
+        cm.engine.insert("tx_bytes".into(), COST_MIN_BYTES / 2);
+        cm.engine.insert("rx_bytes".into(), COST_MIN_BYTES / 2 - 1);
+        assert_eq!(cm.engine_cpu_s_per_gb(), None, "a byte short");
+        cm.engine.insert("rx_bytes".into(), COST_MIN_BYTES / 2);
+        assert!(cm.engine_cpu_s_per_gb().is_some(), "just enough");
+        cm.engine
+            .insert("tx_bytes".into(), 1_000_000_000 - COST_MIN_BYTES / 2);
+        // 0.3 s of CPU over 1 GB, sent and received together.
+        let cost = cm.engine_cpu_s_per_gb().unwrap();
+        assert!((cost - 0.3).abs() < 1e-9, "{cost}");
+    }
 
     #[test]
     fn a_peers_state_is_its_name_in_json() {

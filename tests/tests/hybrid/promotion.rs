@@ -110,6 +110,22 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     let back_to = over_cm_past(&b, &a_ip, &back_from);
     let during = cm_of(&a);
     let b_during = cm_of(&b);
+    // The engine's CPU time is measured on its thread, the control loop's one: more than
+    // nothing while a stream rides it, and no more than the whole process has used (its
+    // ticks, with two of slack for their rounding).
+    let process_ns =
+        ipoib_tests::bench::stat_ticks(&format!("/proc/{pid}/stat")).unwrap() * 10_000_000;
+    eprintln!(
+        "A's engine: {} ms of CPU ({:?} s per GB), its process {} ms",
+        during.engine_cpu_ns / 1_000_000,
+        during.engine_cpu_s_per_gb(),
+        process_ns / 1_000_000
+    );
+    assert!(
+        during.engine_cpu_ns > 0 && during.engine_cpu_ns <= process_ns + 20_000_000,
+        "A's engine CPU {} ns against its process's {process_ns} ns",
+        during.engine_cpu_ns
+    );
     eprintln!(
         "{} B checked at A; B's view of A: {back_to:?}; B's engine: {:?}; A's \
          engine: {:?}",

@@ -184,6 +184,12 @@ pub const PROGRAMS: &[Program] = &[
         "scrapes the metrics textfile in its test (the textfile collector, over HTTP)",
     ),
     deb(
+        "promtool",
+        "prometheus",
+        Host,
+        "checks and unit-tests the shipped alerting rules and the dashboard's queries",
+    ),
+    deb(
         "groff",
         "groff-base",
         Host,

@@ -404,3 +404,35 @@ fn the_ud_path_of_a_tick_decides_promotion_by_rate_and_none_keeps_the_last() {
         ]
     );
 }
+
+/// A bulk peer the full plan keeps on UD is said to wait for it; one below the threshold, or
+/// one on CM, is not.
+#[test]
+fn a_bulk_peer_kept_on_ud_by_a_full_plan_waits_for_it() {
+    let mut c = core(1);
+    let t = up(&mut c, ip(2), 77, 1);
+    let small = (
+        ip(4),
+        Traffic {
+            tx_packets: 10,
+            tx_bytes: 1000,
+            tx_cm_bytes: 0,
+        },
+    );
+    // ip(3) as busy as ip(2): not twice as busy, so it evicts no one.
+    for s in t + 1..t + 6 {
+        tick(
+            &mut c,
+            s,
+            1,
+            vec![bulk(ip(2), s, 50), bulk(ip(3), s, 50), small],
+        );
+    }
+    let waiting = |c: &Core, peer: IpAddr| {
+        let p = c.peers(0).into_iter().find(|p| p.addr == peer).unwrap();
+        (p.state, p.waiting_for_plan)
+    };
+    assert_eq!(waiting(&c, ip(2)), (CmPeerState::Cm, false));
+    assert_eq!(waiting(&c, ip(3)), (CmPeerState::Ud, true));
+    assert_eq!(waiting(&c, ip(4)), (CmPeerState::Ud, false));
+}
