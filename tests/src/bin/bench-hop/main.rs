@@ -36,9 +36,9 @@
 //! Measured per run: Gbit/s (iperf3's receiver side), CPU seconds per GB moved over all CPUs
 //! (/proc/stat across the run: iperf3 on both ends, the kernel's softirqs, the relay), and
 //! for the hops the relay's own CPU per GB (this process's, io_uring's workers included), the
-//! mean of the data packets it moved (1 KiB or more), its other packets (ACKs) per data packet
-//! and its system calls per packet; for `hop-mmap` the packets its rings
-//! dropped for want of a free frame. The median
+//! mean of the data packets it moved (1 KiB or more), its small packets (ACKs, and data
+//! segments that small) per data packet and its system calls per packet; for `hop-mmap` the
+//! packets its rings dropped for want of a free frame. The median
 //! of the rounds is reported, with ratios to `veth` of the same stream count. One JSON line
 //! after `BENCH-JSON `; `--out` saves it.
 //!
@@ -339,7 +339,8 @@ struct Run {
     relay_cpu_s_per_gb: Option<f64>,
     /// Mean bytes of the relay's data packets ([`LARGE`] bytes or more).
     relay_data_bytes: Option<f64>,
-    /// The relay's other packets (ACKs) per data packet.
+    /// The relay's packets under [`relays::LARGE`] bytes (ACKs, and data segments that
+    /// small) per data packet.
     relay_small_per_data: Option<f64>,
     relay_calls_per_packet: Option<f64>,
     /// Packets the packet ring dropped for want of a frame (counted with a lag).

@@ -13,7 +13,8 @@ use ipoib_ctl::tun::{TUN_READ_MAX, Tun, VNET_HDR_LEN, VnetHdr};
 
 use crate::ring::{PacketRing, RING_FRAME, RING_FRAMES};
 
-/// Packets of at least this many bytes carry data; the rest are ACKs and the like.
+/// Packets of at least this many bytes are counted as data; the rest are ACKs, and data
+/// segments that small.
 pub(crate) const LARGE: u64 = 1024;
 
 /// What a relay thread moved.
