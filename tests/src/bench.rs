@@ -265,11 +265,25 @@ impl NsPair {
     /// One iperf3 run from the first end to the server, `streams` TCP streams for `secs`
     /// seconds; `what` names the path in an error.
     pub fn iperf3(&self, streams: u32, secs: u32, what: &str) -> Result<Iperf> {
+        self.iperf3_writes(streams, secs, None, what)
+    }
+
+    /// [`NsPair::iperf3`] with the sender writing `len` bytes at a time (iperf3's `-l`; its
+    /// default, 128 KiB, when None).
+    pub fn iperf3_writes(
+        &self,
+        streams: u32,
+        secs: u32,
+        len: Option<u32>,
+        what: &str,
+    ) -> Result<Iperf> {
         let busy0 = busy_ticks()?;
+        let len = len.map(|l| ["-l".to_string(), l.to_string()]);
         let out = Command::new("ip")
             .args(["netns", "exec", &self.ns[0], "iperf3", "-J", "-p", "5201"])
             .args(["-c", &self.ip[1], "-t", &secs.to_string()])
             .args(["-P", &streams.to_string()])
+            .args(len.iter().flatten())
             .output()
             .context("iperf3 client")?;
         let busy1 = busy_ticks()?;

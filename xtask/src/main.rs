@@ -211,6 +211,9 @@ enum Bench {
         /// Only these paths (e.g. hop,hop-mmap,ud-4092,veth).
         #[arg(long, value_delimiter = ',')]
         paths: Vec<String>,
+        /// Bytes per write of the sender (iperf3's -l; 128 KiB by default).
+        #[arg(long)]
+        len: Option<u32>,
         /// In the VM (Debian's 6.1 under emulation: it shows what runs on the floor kernel,
         /// not what it costs).
         #[arg(long)]
@@ -344,6 +347,7 @@ fn main() -> Result<()> {
                     rounds,
                     streams,
                     paths,
+                    len,
                     vm,
                 },
         } => {
@@ -357,6 +361,9 @@ fn main() -> Result<()> {
             ];
             if !paths.is_empty() {
                 args.extend(["--paths".into(), paths.join(",")]);
+            }
+            if let Some(l) = len {
+                args.extend(["--len".into(), l.to_string()]);
             }
             if vm {
                 bench_in_vm(&root, "bench-hop", &args, "hop-vm.json")

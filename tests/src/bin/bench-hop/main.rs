@@ -87,6 +87,10 @@ struct Args {
     /// need `veth`.
     #[arg(long, value_delimiter = ',')]
     paths: Vec<String>,
+    /// Bytes per write of the sender (iperf3's `-l`; 128 KiB when not given). A write that is
+    /// not a whole number of segments leaves a short tail segment.
+    #[arg(long)]
+    len: Option<u32>,
     /// Where to save the JSON result.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -305,9 +309,11 @@ impl Pair {
     }
 
     /// One iperf3 run of `streams` streams for `secs` seconds.
-    fn run(&self, streams: u32, secs: u32) -> Result<Run> {
+    fn run(&self, streams: u32, secs: u32, len: Option<u32>) -> Result<Run> {
         let relay0 = self.relay.as_ref().map(|r| (r.ticks(), r.totals()));
-        let io = self.ends.iperf3(streams, secs, self.kind.name())?;
+        let io = self
+            .ends
+            .iperf3_writes(streams, secs, len, self.kind.name())?;
         let gb = io.bytes / 1e9;
         let mut run = Run {
             gbit_s: io.gbit_s,
@@ -391,7 +397,7 @@ fn main() -> Result<()> {
     for round in 0..args.rounds {
         for &streams in &counts {
             for p in &pairs {
-                let r = p.run(streams, args.seconds)?;
+                let r = p.run(streams, args.seconds, args.len)?;
                 let drops = r
                     .ring_drops
                     .map_or(String::new(), |d| format!(", {d} ring drops"));
@@ -425,7 +431,9 @@ fn report(
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "\nTCP between two namespaces (iperf3), {} s x {} interleaved rounds (median), kernel {}, {cpus} CPUs",
+        "\nTCP between two namespaces (iperf3, writes of {}), {} s x {} interleaved rounds (median), \
+         kernel {}, {cpus} CPUs",
+        args.len.map_or("128 KiB".into(), |l| format!("{l} B")),
         args.seconds,
         args.rounds,
         kernel.trim()
@@ -478,7 +486,7 @@ fn report(
     }
     let result = json!({
         "bench": "hop", "kernel": kernel.trim(), "cpus": cpus, "seconds": args.seconds,
-        "rounds": args.rounds, "rows": rows, "ring_registration": registration,
+        "rounds": args.rounds, "write_len": args.len, "rows": rows, "ring_registration": registration,
     });
     publish(&result, args.out.as_deref())
 }
