@@ -523,6 +523,10 @@ fn bench_hop(root: &Path, args: &[String]) -> Result<()> {
         bail!("this benchmark needs root (network namespaces, TUN and veth devices)");
     }
     provision::run(provision::Scope::default())?;
+    // bench-hop asks `ipoib-ctl caps` for an RDMA device (its packet ring's registration).
+    cargo(root)
+        .args(["build", "--release", "-q", "-p", "ipoib-ctl", "--bins"])
+        .status_ok("cargo build ipoib-ctl")?;
     let out = root.join("target/bench/hop.json");
     cargo(root)
         .args([
