@@ -343,7 +343,7 @@ struct Run {
     gbit_s: f64,
     cpu_s_per_gb: f64,
     relay_cpu_s_per_gb: Option<f64>,
-    /// Mean bytes of the relay's data packets ([`LARGE`] bytes or more).
+    /// Mean bytes of the relay's data packets ([`relays::LARGE`] bytes or more).
     relay_data_bytes: Option<f64>,
     /// The relay's packets under [`relays::LARGE`] bytes (ACKs, and data segments that
     /// small) per data packet.

@@ -125,25 +125,42 @@ pub(crate) fn relay(
 }
 
 /// `user_data` bit of a write's completion; the low bits are the buffer's index.
-pub(crate) const WRITTEN: u64 = 1 << 32;
+const WRITTEN: u64 = 1 << 32;
 
 /// Moves packets from `from` to `to` through one io_uring: each of [`URING_DEPTH`] registered
 /// buffers is read into on `from` (the reads stay queued in the kernel until a packet comes),
 /// written from on `to` once filled, then read into again once written. A failed relay
 /// counts one error and stops.
 pub(crate) fn relay_uring(from: &Tun, to: &Tun, stop: &AtomicBool, moved: &Moved) {
-    if let Err(e) = try_relay_uring(from, to, stop, moved) {
-        eprintln!("io_uring relay: {e}");
+    counted(
+        "io_uring relay",
+        moved,
+        try_relay_uring(from, to, stop, moved),
+    );
+}
+
+/// A relay's end: an error is said and counted (the run then fails its check).
+fn counted(what: &str, moved: &Moved, r: std::io::Result<()>) {
+    if let Err(e) = r {
+        eprintln!("{what}: {e}");
         moved.errors.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-pub(crate) fn try_relay_uring(
-    from: &Tun,
-    to: &Tun,
-    stop: &AtomicBool,
-    moved: &Moved,
-) -> std::io::Result<()> {
+/// One `io_uring_enter`: what is queued submitted, then a wait of at most 100 ms for one
+/// completion (so that the relay sees its stop flag).
+fn enter(ring: &io_uring::IoUring, moved: &Moved) -> std::io::Result<()> {
+    let timeout = io_uring::types::Timespec::new().nsec(100_000_000);
+    let args = io_uring::types::SubmitArgs::new().timespec(&timeout);
+    moved.calls.fetch_add(1, Ordering::Relaxed);
+    match ring.submitter().submit_with_args(1, &args) {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn try_relay_uring(from: &Tun, to: &Tun, stop: &AtomicBool, moved: &Moved) -> std::io::Result<()> {
     use io_uring::{IoUring, opcode, types};
     let mut ring: IoUring = IoUring::new(2 * URING_DEPTH as u32)?;
     let mut bufs: Vec<Vec<u8>> = (0..URING_DEPTH).map(|_| vec![0u8; TUN_READ_MAX]).collect();
@@ -174,19 +191,12 @@ pub(crate) fn try_relay_uring(
             .user_data(WRITTEN | i as u64)
     };
     let mut next: Vec<io_uring::squeue::Entry> = (0..URING_DEPTH).map(read).collect();
-    let timeout = types::Timespec::new().nsec(100_000_000);
-    let args = types::SubmitArgs::new().timespec(&timeout);
     while !stop.load(Ordering::Relaxed) {
         // SAFETY: every entry names a registered buffer no other entry in flight uses.
         unsafe { ring.submission().push_multiple(&next) }
             .map_err(|_| std::io::Error::other("submission queue full"))?;
         next.clear();
-        moved.calls.fetch_add(1, Ordering::Relaxed);
-        match ring.submitter().submit_with_args(1, &args) {
-            Ok(_) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
-            Err(e) => return Err(e),
-        }
+        enter(&ring, moved)?;
         for cqe in ring.completion() {
             let i = (cqe.user_data() & 0xffff) as usize;
             let res = cqe.result();
@@ -212,7 +222,7 @@ pub(crate) fn try_relay_uring(
 }
 
 /// `user_data` of the poll for a filled frame.
-pub(crate) const POLLED: u64 = u64::MAX;
+const POLLED: u64 = u64::MAX;
 
 /// Moves packets from `ring` to `to`: each frame the kernel filled is written from the ring
 /// itself through io_uring, its vnet header moved up against the IP header (TUN takes no
@@ -220,13 +230,14 @@ pub(crate) const POLLED: u64 = u64::MAX;
 /// written. Where no frame is filled, a poll for one waits in the same ring: one
 /// `io_uring_enter` per turn.
 pub(crate) fn relay_ring(ring: &PacketRing, to: &Tun, stop: &AtomicBool, moved: &Moved) {
-    if let Err(e) = try_relay_ring(ring, to, stop, moved) {
-        eprintln!("packet ring relay: {e}");
-        moved.errors.fetch_add(1, Ordering::Relaxed);
-    }
+    counted(
+        "packet ring relay",
+        moved,
+        try_relay_ring(ring, to, stop, moved),
+    );
 }
 
-pub(crate) fn try_relay_ring(
+fn try_relay_ring(
     ring: &PacketRing,
     to: &Tun,
     stop: &AtomicBool,
@@ -238,8 +249,6 @@ pub(crate) fn try_relay_ring(
     // The next frame to take, how many taken frames are being written, and whether a poll
     // for more is queued.
     let (mut head, mut writing, mut polling) = (0usize, 0usize, false);
-    let timeout = types::Timespec::new().nsec(100_000_000);
-    let args = types::SubmitArgs::new().timespec(&timeout);
     let mut turns = 0u64;
     while !stop.load(Ordering::Relaxed) {
         turns += 1;
@@ -294,12 +303,7 @@ pub(crate) fn try_relay_ring(
             unsafe { uring.submission().push(&sqe) }.map_err(std::io::Error::other)?;
             polling = true;
         }
-        moved.calls.fetch_add(1, Ordering::Relaxed);
-        match uring.submitter().submit_with_args(1, &args) {
-            Ok(_) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
-            Err(e) => return Err(e),
-        }
+        enter(&uring, moved)?;
         for cqe in uring.completion() {
             if cqe.user_data() == POLLED {
                 polling = false;
