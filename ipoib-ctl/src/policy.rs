@@ -551,6 +551,24 @@ mod tests {
         assert_eq!(c.cm_threshold, Some(1500));
     }
 
+    /// The example the packages ship in /etc/ipoib-ctl changes nothing as it is, and every
+    /// setting it shows, uncommented, is valid and applies.
+    #[test]
+    fn the_shipped_example_policy_is_inert_and_each_setting_valid() {
+        let text = include_str!("../../deploy/package/example.policy");
+        assert!(file_words(text).is_empty(), "an active line: {text}");
+        let shown: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix('#'))
+            .filter(|l| l.starts_with(|c: char| c.is_ascii_lowercase()) && l.contains('='))
+            .collect();
+        assert!(shown.len() >= 8, "{shown:?}");
+        let c = PolicyChange::parse(&shown).unwrap();
+        assert_eq!(c.peers.len(), 2);
+        let base = Policy::new(ARPHRD_INFINIBAND);
+        c.apply(&base, c.peers.clone()).unwrap();
+    }
+
     #[test]
     fn sizes_and_durations_round_trip() {
         for b in [16u64 << 20, 512 << 20, 3 << 30, 1 << 40, 1000] {

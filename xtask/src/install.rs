@@ -16,17 +16,20 @@ pub struct Layout {
     pub destdir: PathBuf,
     /// The binary's prefix: PREFIX/sbin/ipoib-ctl, PREFIX/share/...
     pub prefix: PathBuf,
+    /// Where the unit goes: the administrator's directory for a hand install, the vendor's
+    /// (/usr/lib/systemd/system) for a package.
+    pub unit_dir: PathBuf,
 }
 
 /// The unit's `ExecStart` and `ExecReload` name the binary where the repository's copy says.
 const UNIT_BINARY: &str = "/usr/local/sbin/ipoib-ctl";
 
 impl Layout {
-    fn at(&self, path: &Path) -> PathBuf {
+    pub fn at(&self, path: &Path) -> PathBuf {
         self.destdir.join(path.strip_prefix("/").unwrap_or(path))
     }
 
-    fn binary(&self) -> PathBuf {
+    pub fn binary(&self) -> PathBuf {
         self.prefix.join("sbin/ipoib-ctl")
     }
 
@@ -95,7 +98,7 @@ pub fn install(built: &Path, unit: &str, layout: &Layout) -> Result<Vec<PathBuf>
     put(layout.binary(), &binary, 0o755)?;
     let bin = layout.binary().display().to_string();
     put(
-        PathBuf::from("/etc/systemd/system/ipoib-ctl@.service"),
+        layout.unit_dir.join("ipoib-ctl@.service"),
         unit.replace(UNIT_BINARY, &bin).as_bytes(),
         0o644,
     )?;
@@ -183,6 +186,7 @@ mod tests {
         let layout = Layout {
             destdir: dest.clone(),
             prefix: PathBuf::from("/opt/ib"),
+            unit_dir: PathBuf::from("/etc/systemd/system"),
         };
         let unit = std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../ipoib-ctl/ipoib-ctl@.service"),

@@ -4,6 +4,7 @@
 //! first; it is idempotent and a second run does nothing.
 
 mod install;
+mod package;
 mod provision;
 mod shape;
 mod slow;
@@ -26,6 +27,7 @@ use clap::{Parser, Subcommand};
     after_help = "Examples:\n  cargo xtask run            the two-node lab (or attach to ib0 where it exists)\n  \
                   cargo xtask provision      install what builds and tests need\n  \
                   cargo xtask install        ipoib-ctl, its systemd unit, completions and man pages\n  \
+                  cargo xtask package        a .deb and an .rpm of ipoib-ctl (target/package)\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
                   cargo xtask bench hop      TCP through the engine's hop (3 designs) vs stand-ins for UD\n  \
@@ -69,6 +71,19 @@ enum Cmd {
         /// Prefix of the binary and its shared files (PREFIX/sbin, PREFIX/share).
         #[arg(long, default_value = "/usr/local")]
         prefix: PathBuf,
+    },
+    /// Build ipoib-ctl (release) and pack it as a .deb and an .rpm (dpkg-deb, rpmbuild): the
+    /// binary, the unit, man pages, completions, an example policy (a configuration file),
+    /// the alerting rules, the dashboard and the docs.
+    #[command(after_help = "Examples:\n  cargo xtask package\n  \
+                            cargo xtask package --out /tmp/pkgs --release 2")]
+    Package {
+        /// Where the packages go (default: target/package in the workspace).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// The packages' revision (the version is the binary's own).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        release: u32,
     },
     /// Install the toolchain parts and Debian packages the project needs (idempotent).
     Provision {
@@ -269,7 +284,20 @@ fn main() -> Result<()> {
         Cmd::Shape => shape::run(&root),
         Cmd::Install { destdir, prefix } => {
             provision::run(provision::Scope { vm: false })?;
-            install::run(&root, &install::Layout { destdir, prefix })
+            install::run(
+                &root,
+                &install::Layout {
+                    destdir,
+                    prefix,
+                    unit_dir: PathBuf::from("/etc/systemd/system"),
+                },
+            )
+        }
+        Cmd::Package { out, release } => {
+            provision::run(provision::Scope { vm: false })?;
+            let out = std::path::absolute(out.unwrap_or_else(|| root.join("target/package")))?;
+            std::fs::create_dir_all(&out)?;
+            package::run(&root, &out, release)
         }
         Cmd::Test { no_vm, slow, args } => {
             test(&root, &args)?;

@@ -195,6 +195,56 @@ pub const PROGRAMS: &[Program] = &[
         Host,
         "renders the man pages in their test",
     ),
+    // the packages: built with the distributions' own tools, installed into a fresh root
+    deb(
+        "dpkg-deb",
+        "dpkg",
+        Host,
+        "builds the .deb; reads its fields in the package test",
+    ),
+    deb(
+        "dpkg",
+        "dpkg",
+        Host,
+        "the .deb's architecture; installs, upgrades and purges it in the package test's root",
+    ),
+    deb(
+        "dpkg-shlibdeps",
+        "dpkg-dev",
+        Host,
+        "the .deb's Depends: the packages of the libraries ipoib-ctl links",
+    ),
+    deb(
+        "strip",
+        "binutils",
+        Host,
+        "the packaged binary without its debug sections",
+    ),
+    deb(
+        "readelf",
+        "binutils",
+        Host,
+        "the libraries ipoib-ctl links, held against the .rpm's requirements",
+    ),
+    deb("rpmbuild", "rpm", Host, "builds the .rpm"),
+    deb(
+        "rpm",
+        "rpm",
+        Host,
+        "the .rpm's file list, dependencies and scripts, and an upgrade, in the package test",
+    ),
+    deb(
+        "mmdebstrap",
+        "mmdebstrap",
+        Host,
+        "a fresh Debian root for the package test (the .deb's dependencies from the archive)",
+    ),
+    deb(
+        "chroot",
+        "coreutils",
+        Host,
+        "runs dpkg and ipoib-ctl in that root",
+    ),
     deb("ping", "iputils-ping", Host, "ICMP over UD in the lab"),
     deb(
         "iperf3",
