@@ -33,6 +33,10 @@ instance per interface (ipoib-ctl@ib0); Prometheus alerts and a Grafana dashboar
 
 const MAINTAINER: &str = "ipoib-hybrid developers <ipoib-hybrid@example.invalid>";
 
+/// Connected mode needs the HCA's verbs provider, which libibverbs loads at run time (no
+/// link names it); without one every peer stays on UD. RHEL ships them in libibverbs itself.
+const RECOMMENDS: &str = "ibverbs-providers";
+
 /// The configuration files: an upgrade keeps the operator's edits.
 const CONFFILES: &[&str] = &["/etc/ipoib-ctl/example.policy"];
 
@@ -224,7 +228,8 @@ fn deb(work: &Path, stage: &Path, out: &Path, version: &Version) -> Result<PathB
     std::fs::create_dir_all(&control)?;
     let mut text = format!(
         "Package: {NAME}\nVersion: {}\nArchitecture: {arch}\nMaintainer: {MAINTAINER}\n\
-         Installed-Size: {installed_kib}\nDepends: {depends}\nSection: net\nPriority: optional\n\
+         Installed-Size: {installed_kib}\nDepends: {depends}\nRecommends: {RECOMMENDS}\n\
+         Section: net\nPriority: optional\n\
          Description: {SUMMARY}\n",
         version.deb()
     );

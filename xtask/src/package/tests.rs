@@ -227,6 +227,11 @@ fn the_deb_installs_into_a_fresh_root_upgrades_keeping_the_policy_and_purges_cle
         .arg("Depends"));
     let mut include = depends_names(depends.trim());
     assert!(include.contains(&"libibverbs1".to_owned()), "{depends}");
+    let recommends = ok(Command::new("dpkg-deb")
+        .arg("-f")
+        .arg(&pk.v1.deb)
+        .arg("Recommends"));
+    assert_eq!(recommends.trim(), "ibverbs-providers");
     include.push("systemd".into());
     let root = FreshRoot::new("deb", &include);
     let before = root.paths();
