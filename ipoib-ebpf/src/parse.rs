@@ -183,8 +183,9 @@ pub fn parse(
             if dst[0] & 0xf0 == 0xe0 || dst == [0xff; 4] {
                 f.multicast = true;
             }
-            // Later fragments carry no L4 header.
-            if be16([ip[6], ip[7]]) & 0x1fff != 0 {
+            // A fragment has no whole L4 header to read: later ones carry none, and the first
+            // may be cut inside it (a frame that is still its sender's, not malformed).
+            if be16([ip[6], ip[7]]) & 0x3fff != 0 {
                 return Ok(f);
             }
             (ip[9], l2 + ihl)

@@ -1199,6 +1199,21 @@ fn ingress_counts_and_blocks_at(hook: Hook) {
             Some("10.0.0.6"),
         ),
         (
+            // Its TCP header cut by the fragmenting: still the blocked peer's (the kernel
+            // would reassemble it), not a malformed frame to pass.
+            "first fragment from blocked",
+            {
+                let mut f = from("10.0.0.6", BIG);
+                f.truncate(24 + 20 + 8);
+                f[24 + 2..24 + 4].copy_from_slice(&28u16.to_be_bytes());
+                f[24 + 6..24 + 8].copy_from_slice(&0x2000u16.to_be_bytes());
+                f
+            },
+            XDP_DROP,
+            Reason::RxDropBlocked,
+            Some("10.0.0.6"),
+        ),
+        (
             "arp",
             as_ingress(&arp_frame(uc), Link::Ipoib),
             XDP_PASS,
