@@ -78,7 +78,14 @@ pub fn read(sys: &Path, iface: &str) -> Result<Option<IbLink>, LinkError> {
     };
     let pkey =
         parse_u16(&text).ok_or_else(|| bad(&pkey_path, &text, "a P_Key (0x0001..0xffff)"))?;
-    let parent = read_opt(&net.join(iface).join("parent"))?.map(|p| p.trim().to_string());
+    let parent_path = net.join(iface).join("parent");
+    let parent = read_opt(&parent_path)?.map(|p| p.trim().to_string());
+    // An interface name, so the parent's files are read under class/net and nowhere else.
+    if let Some(p) = &parent
+        && (p.is_empty() || p.len() > 15 || p.contains('/') || p == "." || p == "..")
+    {
+        return Err(bad(&parent_path, p, "an interface name"));
+    }
     let base = net.join(parent.as_deref().unwrap_or(iface));
     let device = hca_of(&base)?;
     let port = port_of(&base)?;
@@ -470,6 +477,24 @@ mod tests {
                 pkey: 0x8001,
                 parent: Some("ib1".into())
             }
+        );
+    }
+
+    /// A `parent` that is no interface name (a path) is refused, not followed out of
+    /// class/net (the fuzz target checks this of every tree it makes).
+    #[test]
+    fn a_parent_that_is_no_interface_name_is_refused() {
+        let s = Sysfs::new();
+        s.port_iface("ib0", "0000:3b:00.0", "mlx5_0", 1);
+        let child = s.child("ib0", 0x8001);
+        for parent in ["ib0/", "..", ".", "", "../net/ib0", "abcdefghijklmnop"] {
+            s.write(&format!("class/net/{child}/parent"), &format!("{parent}\n"));
+            let e = read(s.root(), &child).unwrap_err().to_string();
+            assert!(e.contains("is not an interface name"), "{parent:?}: {e}");
+        }
+        s.write(&format!("class/net/{child}/parent"), "abcdefghijklmno\n");
+        assert!(
+            matches!(read(s.root(), &child), Err(LinkError::Sysfs { path, .. }) if path.ends_with("device/infiniband"))
         );
     }
 

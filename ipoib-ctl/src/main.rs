@@ -79,7 +79,7 @@ enum Cmd {
     #[command(after_help = "Keys:\n  \
         mode=auto|datagram|connected   interface-wide mode (default auto: CM for busy peers where UD costs the CPU per datagram, none by rate where the device segments (TSO); connected: CM for every active peer within the plan)\n  \
         cm-threshold=BYTES             smallest packet worth CM, 64..65520 (default 1024)\n  \
-        heartbeat-timeout=DURATION     fail-safe deadline, 100ms..1h (default 3s)\n  \
+        heartbeat-timeout=DURATION     fail-safe deadline, 100ms..1h, to the millisecond (default 3s)\n  \
         kernel-cm=on|off               let the kernel's own connected mode carry UD traffic (default off)\n  \
         ctl-port=PORT                  TCP port of the CM handshake, always UD (default 4755)\n  \
         memory-budget=SIZE             receive memory for CM, 4MiB..1TiB, within the node's budget (default: worked out)\n  \

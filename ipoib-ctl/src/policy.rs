@@ -293,7 +293,9 @@ impl PolicyChange {
                 set_once(&mut self.cm_threshold, key, n, value, seen)
             }
             "heartbeat-timeout" => {
+                // To the millisecond, as show-policy prints it back (`1.0005s` would not).
                 let d = parse_duration(value)
+                    .map(|d| Duration::from_millis((d.as_secs_f64() * 1000.0).round() as u64))
                     .filter(|d| (HEARTBEAT_MIN..=HEARTBEAT_MAX).contains(d))
                     .ok_or_else(|| {
                         invalid("heartbeat-timeout", value, "a duration from 100ms to 1h")
@@ -567,6 +569,30 @@ mod tests {
         assert_eq!(c.peers.len(), 2);
         let base = Policy::new(ARPHRD_INFINIBAND);
         c.apply(&base, c.peers.clone()).unwrap();
+    }
+
+    /// Found by the policy fuzz target: a timeout finer than a millisecond did not print
+    /// back (show-policy says milliseconds); the key takes the nearest millisecond.
+    #[test]
+    fn a_heartbeat_timeout_is_taken_to_the_millisecond() {
+        for (value, ms) in [
+            ("20.3108762818s", 20_311),
+            ("1.1s", 1100),
+            ("0.1", 100),
+            ("250.4ms", 250),
+            ("250.5ms", 251),
+        ] {
+            let c = parse(&[&format!("heartbeat-timeout={value}")]).unwrap();
+            assert_eq!(
+                c.heartbeat_timeout,
+                Some(Duration::from_millis(ms)),
+                "{value}"
+            );
+        }
+        assert!(
+            parse(&["heartbeat-timeout=99.4ms"]).is_err(),
+            "rounds below 100ms"
+        );
     }
 
     #[test]

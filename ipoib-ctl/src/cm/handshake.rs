@@ -630,12 +630,7 @@ impl Cm {
                 return Err(e);
             }
         };
-        // The asker's path, toward its LID, as the kernel's CM takes the passive side's from
-        // the REQ; across a router it would name the wrong LID, so it is not taken there.
-        let path = req
-            .path
-            .filter(|_| req.rc.gid[..8] == self.res.port.gid[..8])
-            .map(|p| p.record(req.rc.lid));
+        let path = req.path_for_passive(&self.res.port.gid);
         if path.is_some() {
             self.stats.paths_from_peer.fetch_add(1, Ordering::Relaxed);
         }

@@ -177,6 +177,15 @@ impl Hello {
             ud_qpn: self.ud_qpn,
         }
     }
+
+    /// The path the passive side takes from a REQ, toward the asker's LID, as the kernel's CM
+    /// takes the passive side's from the REQ's primary path; none across a router (another
+    /// subnet prefix than `local_gid`'s), where that LID is not the one to send to.
+    pub fn path_for_passive(&self, local_gid: &[u8; 16]) -> Option<PathRecord> {
+        self.path
+            .filter(|_| self.rc.gid[..8] == local_gid[..8])
+            .map(|p| p.record(self.rc.lid))
+    }
 }
 
 /// What is wrong with a message, by field.
@@ -764,6 +773,24 @@ mod tests {
             panic!("{:?}", Msg::decode(&b))
         };
         assert_eq!(h.rc.psn, 0x00ff_ffff);
+    }
+
+    /// The passive side takes the asker's path toward the asker's LID on its own subnet, and
+    /// none from an asker behind a router or without one.
+    #[test]
+    fn the_passive_side_takes_the_askers_path_on_its_own_subnet_only() {
+        let mut req = with_path();
+        req.rc.lid = 0x17;
+        let mut local = req.rc.gid;
+        local[8..].copy_from_slice(&[9; 8]);
+        let r = req.path_for_passive(&local).unwrap();
+        assert_eq!(r, req.path.unwrap().record(0x17));
+        assert_eq!((r.dlid, r.sl, r.mtu), (0x17, 3, 5));
+        local[7] ^= 1;
+        assert_eq!(req.path_for_passive(&local), None, "another subnet");
+        local[7] ^= 1;
+        req.path = None;
+        assert_eq!(req.path_for_passive(&local), None, "no path given");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Connected mode's status: what a control loop writes once a tick (`RUN_DIR/IFACE.cm.json`)
 //! and `status`, the metrics and the tests read.
 
-use std::{collections::HashMap, net::IpAddr, path::PathBuf};
+use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -133,7 +133,8 @@ pub struct CmStatus {
     /// Engines, one per lane (TUN queue); `engine` counts for all of them.
     #[serde(default)]
     pub engine_lanes: u32,
-    pub engine: HashMap<String, u64>,
+    /// By name, sorted: the file reads the same for the same counts.
+    pub engine: BTreeMap<String, u64>,
     /// CPU time of the engines' threads since they started, all lanes (ns): see
     /// [`crate::engine::EngineStats::cpu_ns`].
     #[serde(default)]
