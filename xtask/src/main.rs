@@ -3,6 +3,7 @@
 //! Everything a fresh machine lacks is installed by `provision`, which every other task runs
 //! first; it is idempotent and a second run does nothing.
 
+mod fuzz;
 mod install;
 mod package;
 mod provision;
@@ -29,6 +30,7 @@ use clap::{Parser, Subcommand};
                   cargo xtask install        ipoib-ctl, its systemd unit, completions and man pages\n  \
                   cargo xtask package        a .deb and an .rpm of ipoib-ctl (target/package)\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
+                  cargo xtask fuzz           every decoder under libFuzzer, 10 minutes in all\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
                   cargo xtask bench hop      TCP through the engine's hop (3 designs) vs stand-ins for UD\n  \
                   cargo xtask bench tick     the policy's tick at 4096 peers (release)\n  \
@@ -122,6 +124,19 @@ enum Cmd {
         /// full rounds of those the suite runs shorter.
         #[arg(long)]
         long: bool,
+    },
+    /// Every fuzz target (fuzz/: the handshake, the policy language, the CM status file, the
+    /// sysfs readers, the neighbour address) in turn under libFuzzer (cargo-fuzz, nightly,
+    /// installed when missing): executions and findings per target, saved in target/fuzz.
+    #[command(after_help = "Examples:\n  cargo xtask fuzz\n  \
+                            cargo xtask fuzz --time 60 --target policy")]
+    Fuzz {
+        /// Seconds in all, shared between the targets.
+        #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+        time: u64,
+        /// Only this target (repeat for more).
+        #[arg(long)]
+        target: Vec<String>,
     },
     /// The code's shape: ipoib-ctl's modules import in one direction, no source file over 800
     /// lines outside its tests, README.md under 300 lines.
@@ -282,6 +297,7 @@ fn main() -> Result<()> {
         } => run(&root, duration, json, no_vm),
         Cmd::Provision { vm } => provision::run(provision::Scope { vm }),
         Cmd::Shape => shape::run(&root),
+        Cmd::Fuzz { time, target } => fuzz::run(&root, time, &target),
         Cmd::Install { destdir, prefix } => {
             provision::run(provision::Scope { vm: false })?;
             install::run(
