@@ -354,7 +354,19 @@ impl Lab {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<u32> {
-        let ctl = n.ctl_exe();
+        self.attach_node_as(n, &n.ctl_exe(), extra, env)
+    }
+
+    /// As [`Lab::attach_node_env`], run as `ctl` (a wrapper that confines this build's
+    /// ipoib-ctl, say: [`crate::sandbox::wrapper`]); the node's other commands (`status`)
+    /// stay its own.
+    pub fn attach_node_as(
+        &mut self,
+        n: &Node,
+        ctl: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<u32> {
         if !ctl.exists() {
             bail!(
                 "{} is not built: `cargo xtask test` builds it (or `cargo build -p ipoib-ctl`)",

@@ -9,6 +9,7 @@ pub mod notify;
 pub mod pace;
 pub mod perftest;
 pub mod programs;
+pub mod sandbox;
 pub mod sim;
 
 use std::net::IpAddr;

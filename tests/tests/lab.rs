@@ -1021,3 +1021,59 @@ fn doctor_reports_the_node_as_it_is_before_and_after_attach() {
     assert!(attach.1.contains("no control loop runs"), "{attach:?}");
     lab.teardown();
 }
+
+/// The shipped unit's capability bounding set is what the kernel asks for, found by trying:
+/// with any one of them left out `attach` fails (the kernel refuses a map, a program or an
+/// attachment) and leaves no loop running; with all of them, under the unit's memlock limit
+/// and no new privileges, it attaches and the fast path counts traffic. Here and on 6.1 in
+/// the VM (the hybrid tests run connected mode, registration included, the same way).
+#[test]
+fn the_units_capabilities_are_each_needed_and_together_enough() {
+    use ipoib_tests::sandbox::{unit_capabilities, wrapper};
+    let test = "the_units_capabilities_are_each_needed_and_together_enough";
+    let Some(mut lab) = lab_or_skip(test, "cap", false) else {
+        return;
+    };
+    let caps = unit_capabilities();
+    assert!(caps.contains(&"bpf".to_string()), "{caps:?}");
+    ipoib_tests::sandbox::bpffs_mounted();
+    let dir = std::env::temp_dir().join(format!("ipoib-caps-{}", std::process::id()));
+    let a = lab.a.clone();
+    for left_out in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != left_out).cloned().collect();
+        let w = wrapper(&dir.join(format!("without-{left_out}")), &fewer);
+        let out = a
+            .cmd("timeout")
+            .arg("60")
+            .arg(&w)
+            .args(["attach", &a.iface])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        eprintln!(
+            "without CAP_{}: {}\n{said}",
+            left_out.to_uppercase(),
+            out.status
+        );
+        assert!(
+            !out.status.success() && out.status.code() != Some(124),
+            "attach ran without CAP_{}: {said}",
+            left_out.to_uppercase()
+        );
+        let _ = a.ctl(&["detach", &a.iface]);
+    }
+    // All of them: the control loop comes up. `status` is the operator's, run with every
+    // capability (reading a program's maps by id takes CAP_SYS_ADMIN).
+    let w = wrapper(&dir.join("unit"), &caps);
+    lab.attach_node_as(&a, &w, &[], &[]).unwrap();
+    let small = || reason(&a.status_json().unwrap(), "tx_ud_small");
+    let before = small();
+    let (_, received) = ping(&a, &lab.b.ip4.to_string(), 3, 56, "0.2");
+    assert_eq!(received, 3);
+    assert!(
+        small() - before >= 3,
+        "the fast path did not count the pings"
+    );
+    lab.teardown();
+    let _ = std::fs::remove_dir_all(&dir);
+}

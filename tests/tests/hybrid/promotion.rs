@@ -519,3 +519,45 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }
+
+/// Connected mode with only the shipped unit's capabilities and memlock limit, on 6.1 with
+/// real verbs: both nodes attach confined (the wrapper applies the unit's
+/// `CapabilityBoundingSet=`, `NoNewPrivileges=` and `LimitMEMLOCK=`), register their receive
+/// memory, and a bulk stream is promoted and carried over RC.
+#[test]
+fn connected_mode_runs_with_only_the_units_capabilities() {
+    use ipoib_tests::sandbox::{unit_capabilities, wrapper};
+    let test = "connected_mode_runs_with_only_the_units_capabilities";
+    let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyc", 2) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("ipoib-{test}-{}", std::process::id()));
+    let confined = wrapper(&dir.join("ipoib-ctl"), &unit_capabilities());
+    ipoib_tests::sandbox::bpffs_mounted();
+    let (a, b) = (lab.a.clone(), lab.b.clone());
+    for n in [&a, &b] {
+        lab.attach_node_as(n, &confined, &["--cm-device", &dev], &[])
+            .unwrap();
+    }
+    let key = b.ip4.to_string();
+    let stream = Stream::start(&a, &b, 5307);
+    let at = a
+        .wait_peer_mode(&key, PeerModeView::CmUp, Duration::from_secs(15))
+        .unwrap_or_else(|| panic!("{key} was not promoted in 15 s: {:#?}", a.cm().unwrap()));
+    std::thread::sleep(Duration::from_secs(3));
+    let later = a.peer(&key).unwrap().unwrap();
+    let cm = later.traffic.tx_cm_bytes - at.traffic.tx_cm_bytes;
+    let sent = stream.finish();
+    let registered = cm_of(&b).receive.registered_bytes;
+    eprintln!(
+        "confined: {} MiB sent, {} MiB over CM after promotion, B registered {} MiB",
+        sent >> 20,
+        cm >> 20,
+        registered >> 20
+    );
+    assert!(cm > 1 << 20, "hardly anything went CM: {later:?}");
+    assert!(registered > 0, "B registered no receive memory");
+    lab.teardown();
+    settle(&dev, &baseline, COUNTED);
+    let _ = std::fs::remove_dir_all(&dir);
+}

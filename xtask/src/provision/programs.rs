@@ -86,7 +86,7 @@ pub const PROGRAMS: &[Program] = &[
         "setpriv",
         "util-linux",
         Host,
-        "runs ipoib-ctl without privileges (exit-code test)",
+        "runs ipoib-ctl without privileges (exit-code test), and with only the unit's capabilities",
     ),
     deb(
         "dmesg",
@@ -132,6 +132,12 @@ pub const PROGRAMS: &[Program] = &[
         "kmod",
         Host,
         "loads rdma_rxe (cm tests, cargo xtask run) and tun (VM)",
+    ),
+    deb(
+        "prlimit",
+        "util-linux",
+        Host,
+        "the unit's memlock limit, outside systemd, in the capability tests",
     ),
     deb(
         "unshare",
