@@ -31,6 +31,7 @@ use clap::{Parser, Subcommand};
                   cargo xtask package        a .deb and an .rpm of ipoib-ctl (target/package)\n  \
                   cargo xtask test           provision, then run every test (CI runs this)\n  \
                   cargo xtask fuzz           every decoder under libFuzzer, 10 minutes in all\n  \
+                  cargo xtask soak           faults from a seeded schedule under load, in the VM\n  \
                   cargo xtask bench datapath ns/packet of each program vs a trivial one\n  \
                   cargo xtask bench hop      TCP through the engine's hop (3 designs) vs stand-ins for UD\n  \
                   cargo xtask bench tick     the policy's tick at 4096 peers (release)\n  \
@@ -137,6 +138,20 @@ enum Cmd {
         /// Only this target (repeat for more).
         #[arg(long)]
         target: Vec<String>,
+    },
+    /// The seeded chaos soak in the VM: three nodes, bulk TCP and numbered UDP promoted to CM
+    /// while faults come every 5 to 30 s (kill -9, SIGSTOP, the RC link, the handshake port
+    /// blocked, an engine paused, policy changes, detach and attach), on rings, then on an
+    /// SRQ: the flows intact, losses only around faults, every resource flat.
+    #[command(after_help = "Examples:\n  cargo xtask soak --minutes 30\n  \
+                            cargo xtask soak --minutes 3 --seed 1234   (replays a run's faults)")]
+    Soak {
+        /// Minutes on each receive model.
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=600))]
+        minutes: u64,
+        /// The schedule's seed (a run prints its own).
+        #[arg(long)]
+        seed: Option<u64>,
     },
     /// The code's shape: ipoib-ctl's modules import in one direction, no source file over 800
     /// lines outside its tests, README.md under 300 lines.
@@ -342,8 +357,26 @@ fn main() -> Result<()> {
                 filters: filter,
                 slow,
                 long,
+                env: Vec::new(),
             },
         ),
+        Cmd::Soak { minutes, seed } => {
+            let mut env = vec![("IPOIB_SOAK_SECS".to_string(), (minutes * 60).to_string())];
+            if let Some(s) = seed {
+                env.push(("IPOIB_SOAK_SEED".into(), s.to_string()));
+            }
+            vm::test(
+                &root,
+                &vm::Run {
+                    targets: vec!["hybrid".into()],
+                    filters: vec!["the_soak_on".into()],
+                    env,
+                    // The soak's tests are ignored in the suite.
+                    long: true,
+                    ..vm::Run::default()
+                },
+            )
+        }
         Cmd::Bench {
             what:
                 Bench::Datapath {

@@ -112,9 +112,15 @@ pub struct Run {
     /// The long run: the ignored tests too (scenarios on their second receive model), and
     /// the full rounds of those the suite runs shorter (IPOIB_TEST_LONG=1).
     pub long: bool,
+    /// Variables for the tests inside the VM (NAME, value: digits, letters, `_` only).
+    pub env: Vec<(String, String)>,
 }
 
 pub fn test(root: &Path, r: &Run) -> Result<()> {
+    let plain = |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if let Some((k, v)) = r.env.iter().find(|(k, v)| !plain(k) || !plain(v)) {
+        bail!("a VM test variable must be plain (letters, digits, _): {k}={v}");
+    }
     for f in &r.filters {
         let ok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
         if f.is_empty() || !f.chars().all(ok) {
@@ -156,7 +162,7 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
     }
     let result = match run(
         root,
-        &test_script(&bins, &args, r.long),
+        &test_script(&bins, &args, r.long, &r.env),
         cap.as_ref(),
         |line| seen.see(line, t0.elapsed()),
     ) {
@@ -187,7 +193,7 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
                 );
                 run(
                     root,
-                    &test_script(&rest, &args, r.long),
+                    &test_script(&rest, &args, r.long, &r.env),
                     cap.as_ref(),
                     |line| seen.see(line, t0.elapsed()),
                 )
@@ -214,7 +220,13 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
 
 /// The script that runs `bins` in one boot, each with libtest's `args`; its status is the
 /// run's status.
-fn test_script(bins: &[(String, PathBuf)], args: &[String], long: bool) -> String {
+fn test_script(
+    bins: &[(String, PathBuf)],
+    args: &[String],
+    long: bool,
+    env: &[(String, String)],
+) -> String {
+    let env: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
     // The engine's TUN device needs the tun module (devtmpfs then makes /dev/net/tun).
     // The kernel's warnings and errors go to the log as they come (a lockup in rdma_rxe
     // would otherwise show only as a test that never ends).
@@ -235,7 +247,7 @@ fn test_script(bins: &[(String, PathBuf)], args: &[String], long: bool) -> Strin
     // (--report-time), unstable, so unlocked for the stable-built binaries by RUSTC_BOOTSTRAP.
     for (name, exe) in bins {
         script.push_str(&format!(
-            "echo '==> {name} on '$(uname -r); IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 \
+            "echo '==> {name} on '$(uname -r); {env}IPOIB_REQUIRE_BPF=1 IPOIB_REQUIRE_RDMA=1 \
              IPOIB_TEST_LONG={} RUSTC_BOOTSTRAP=1 timeout -s KILL 2700 {} --test-threads=1 \
              -Z unstable-options --report-time {}{} || rc=1; ",
             u8::from(long),
@@ -648,7 +660,7 @@ mod tests {
             ("lab".to_string(), PathBuf::from("/t/lab-1")),
             ("hybrid".to_string(), PathBuf::from("/t/hybrid-1")),
         ];
-        let script = test_script(&bins, &["--nocapture".into()], false);
+        let script = test_script(&bins, &["--nocapture".into()], false, &[]);
         let line = |name: &str| {
             script
                 .split("; ")

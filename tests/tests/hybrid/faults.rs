@@ -257,18 +257,6 @@ fn flood(
     })
 }
 
-/// `pid`'s resident memory (KiB) and open file descriptors.
-fn rss_and_fds(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0);
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
-    (rss, fds)
-}
-
 /// A flood on A's handshake port from a third namespace (C), for 10 s (20 under `--long`):
 /// 300 connections open at once, renewed about 300 a second, sending nothing, garbage or half
 /// a REQ. Meanwhile small UDP B -> A is counted (none may be lost), and a bulk stream B -> A

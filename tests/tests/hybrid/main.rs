@@ -525,6 +525,18 @@ fn mrs_of_each<const N: usize>(pids: [u32; N]) -> [(u64, u64); N] {
     })
 }
 
+/// `pid`'s resident memory (KiB) and open file descriptors.
+fn rss_and_fds(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
+    (rss, fds)
+}
+
 /// A policy file for `attach --policy`, removed when dropped.
 struct PolicyFile(std::path::PathBuf);
 
@@ -568,4 +580,5 @@ mod netlink;
 mod promotion;
 mod queues;
 mod rails;
+mod soak;
 mod watchdog;

@@ -1,0 +1,418 @@
+//! The seeded chaos soak: three nodes, a stream around the ring of them (A to B, B to C, C to
+//! A, each checked byte for byte) and numbered UDP from A to B, all promoted to CM, while
+//! faults come from a seeded schedule every 5 to 30 s: a control loop killed (and started
+//! again), stopped and continued, the RC link down and up, the handshake port blocked, an
+//! engine paused, a policy changed (mode, max-connections), an interface detached and
+//! attached. Checked: the streams arrive intact; a datagram is lost only in a window around
+//! a fault, and no more there than the engine holds; memory, descriptors, tasks, registered
+//! bytes and QPs are flat (the last quarter of the run no higher than the first, within a
+//! margin); after the final detach the device's resources are what they were before.
+//!
+//! IPOIB_SOAK_SECS sets the length of each receive model's run (90 s in the suite; `cargo
+//! xtask soak --minutes N` for the long one), IPOIB_SOAK_SEED the schedule (printed, so a
+//! failure replays).
+
+use super::*;
+
+/// At most what the engine holds when it dies or stalls: the TUN queue (500), the
+/// connection's backlog (128) and its sends in flight (64).
+const ENGINE_HOLDS: usize = 500 + 128 + 64;
+
+/// Datagrams lost this long around a fault are the fault's (from before it began, as a
+/// datagram in flight, to after connected mode is back).
+const BEFORE: Duration = Duration::from_secs(1);
+const AFTER: Duration = Duration::from_secs(15);
+
+#[test]
+#[ignore = "the soak (cargo xtask soak): it loses datagrams outside the faults' windows, under study (issue 36)"]
+fn the_soak_on_rings() {
+    soak(Recv::Rings);
+}
+
+#[test]
+#[ignore = "the soak (cargo xtask soak): it loses datagrams outside the faults' windows, under study (issue 36)"]
+fn the_soak_on_an_srq() {
+    soak(Recv::Srq);
+}
+
+/// xorshift64*: the schedule's dice.
+struct Dice(u64);
+
+impl Dice {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn within(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Kill9,
+    StopCont,
+    RcLinkDownUp,
+    PortBlocked,
+    EnginePaused,
+    Policy,
+    DetachAttach,
+}
+
+const FAULTS: [Fault; 7] = [
+    Fault::Kill9,
+    Fault::StopCont,
+    Fault::RcLinkDownUp,
+    Fault::PortBlocked,
+    Fault::EnginePaused,
+    Fault::Policy,
+    Fault::DetachAttach,
+];
+
+/// One sample of what every node holds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Held {
+    rss_kib: u64,
+    fds: u64,
+    tasks: u64,
+    registered: u64,
+    qps: u64,
+}
+
+fn soak(recv: Recv) {
+    let test = format!("the_soak_on_{}", recv.name());
+    let Some((dev, baseline, mut lab)) = rdma_lab(&test, &recv.tag("sk"), 3) else {
+        return;
+    };
+    let secs: u64 = std::env::var("IPOIB_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(90);
+    let seed: u64 = std::env::var("IPOIB_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("{test}: {secs} s, IPOIB_SOAK_SEED={seed}");
+    let mut dice = Dice(seed | 1);
+    let guard = ipoib_tests::cmlab::LinkUp("rxev0".into());
+    let nodes = [lab.a.clone(), lab.b.clone(), lab.more[0].clone()];
+    let mut pids = [0u32; 3];
+    for (i, n) in nodes.iter().enumerate() {
+        pids[i] = attach_node(&mut lab, n, recv, &dev, &["--test-faults"]);
+    }
+    let [a, b, c] = &nodes;
+    let streams = [
+        Stream::start(a, b, 5401),
+        Stream::start(b, c, 5402),
+        Stream::start(c, a, 5403),
+    ];
+    let drops_before = (udp_rcvbuf_errors(b), tun_tx_dropped(a));
+    let udp = PacedUdp::every(a, b, 5404, Duration::from_millis(5));
+    for (from, to) in [(a, b), (b, c), (c, a)] {
+        from.wait_peer_mode(
+            &to.ip4.to_string(),
+            PeerModeView::CmUp,
+            Duration::from_secs(30),
+        )
+        .unwrap_or_else(|| panic!("{} -> {}: not promoted", from.ns, to.ns));
+        eprintln!(
+            "{} -> {} on CM {:.1?} into the UDP flow",
+            from.ns,
+            to.ns,
+            udp.pace.t0.elapsed()
+        );
+    }
+
+    let t0 = Instant::now();
+    let end = t0 + Duration::from_secs(secs);
+    let mut windows: Vec<(Instant, Instant, String)> = Vec::new();
+    let mut samples: Vec<(Duration, Held)> = Vec::new();
+    let mut next_fault = t0 + Duration::from_secs(dice.within(5, 30));
+    while Instant::now() < end {
+        samples.push((t0.elapsed(), held(&nodes, &pids, &dev)));
+        if Instant::now() >= next_fault {
+            let fault = FAULTS[dice.next() as usize % FAULTS.len()];
+            let i = dice.next() as usize % 3;
+            let began = Instant::now();
+            let what = inflict(&mut lab, &nodes, &mut pids, i, fault, recv, &dev, &mut dice);
+            eprintln!("{:>6.1?} {what}", began - t0);
+            windows.push((began - BEFORE, Instant::now() + AFTER, what));
+            next_fault = Instant::now() + Duration::from_secs(dice.within(5, 30));
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    // The last fault's window: connected mode back before the flows end.
+    std::thread::sleep(AFTER);
+    let sent: Vec<u64> = streams.into_iter().map(Stream::finish).collect();
+    let pace = udp.pace;
+    let (udp_sent, got) = udp.finish();
+    eprintln!(
+        "{test}: {} faults; streams {:?} MiB, intact; UDP {} of {udp_sent} arrived",
+        windows.len(),
+        sent.iter().map(|s| s >> 20).collect::<Vec<_>>(),
+        got.len()
+    );
+    // Where else a datagram can go under load, counted by the kernel: B's socket buffer
+    // full, A's engine TUN queue full (printed for the loss analysis, not judged).
+    eprintln!(
+        "  kernel drops meanwhile: B's UDP receive buffer {}, A's engine TUN queue {} (both \
+         flows and streams)",
+        udp_rcvbuf_errors(b).saturating_sub(drops_before.0),
+        tun_tx_dropped(a).saturating_sub(drops_before.1)
+    );
+    for n in [a, b] {
+        if let Ok(Some(cm)) = n.cm() {
+            eprintln!("  {}'s engine: {:?}", n.ns, cm.engine);
+        }
+    }
+    let udp_verdict = udp_lost_only_in_windows(pace, udp_sent, &got, &windows);
+    flat(&samples);
+    lab.teardown();
+    drop(guard);
+    settle(&dev, &baseline, COUNTED);
+    let wall = std::time::SystemTime::now() - pace.t0.elapsed();
+    if let Err(lost) = udp_verdict {
+        // Where to look: the wall-clock time of each loss, to set beside the logs' lines.
+        for (i, due) in &lost {
+            let at = time_of_day(wall + (*due - pace.t0));
+            eprintln!(
+                "  #{i} was due at {at} UTC ({:.2?} into the flow)",
+                *due - pace.t0
+            );
+        }
+        for n in [a, b] {
+            eprintln!("--- {} log ---\n{}", n.ns, ctl_log(n));
+        }
+        panic!(
+            "{} datagrams lost outside every fault's window (the faults: {:?})",
+            lost.len(),
+            windows
+                .iter()
+                .map(|(from, to, what)| format!(
+                    "{:.1?}..{:.1?} into the flow: {what}",
+                    *from - pace.t0,
+                    *to - pace.t0
+                ))
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+/// What every node's control loop holds now, summed, and the device's QPs.
+fn held(nodes: &[Node; 3], pids: &[u32; 3], dev: &str) -> Held {
+    let mut h = Held::default();
+    for (n, pid) in nodes.iter().zip(pids) {
+        let (rss, fds) = rss_and_fds(*pid);
+        h.rss_kib += rss;
+        h.fds += fds;
+        if let Ok(Some(cm)) = n.cm() {
+            h.tasks += cm.tasks;
+            h.registered += cm.receive.registered_bytes;
+        }
+    }
+    h.qps = rdma_resources(dev).get("qp").copied().unwrap_or(0);
+    h
+}
+
+/// Brings `fault` on node `i` and ends it; says what it did.
+#[allow(clippy::too_many_arguments)]
+fn inflict(
+    lab: &mut Lab,
+    nodes: &[Node; 3],
+    pids: &mut [u32; 3],
+    i: usize,
+    fault: Fault,
+    recv: Recv,
+    dev: &str,
+    dice: &mut Dice,
+) -> String {
+    let n = &nodes[i];
+    match fault {
+        Fault::Kill9 => {
+            lab.kill9(pids[i]);
+            pids[i] = attach_node(lab, n, recv, dev, &["--test-faults"]);
+            format!("{}: kill -9, started again", n.ns)
+        }
+        Fault::StopCont => {
+            let secs = dice.within(1, 4);
+            // SAFETY: signals to the lab's own child.
+            unsafe { libc::kill(pids[i] as i32, libc::SIGSTOP) };
+            std::thread::sleep(Duration::from_secs(secs));
+            unsafe { libc::kill(pids[i] as i32, libc::SIGCONT) };
+            format!("{}: stopped {secs} s", n.ns)
+        }
+        Fault::RcLinkDownUp => {
+            let secs = dice.within(2, 6);
+            set_link("rxev0", "down").unwrap();
+            std::thread::sleep(Duration::from_secs(secs));
+            set_link("rxev0", "up").unwrap();
+            format!("RC link down {secs} s")
+        }
+        Fault::PortBlocked => {
+            let secs = dice.within(3, 10);
+            nft(
+                n,
+                "table inet soak { chain input { type filter hook input priority 0; \
+                 tcp dport 4755 drop; } }",
+            );
+            std::thread::sleep(Duration::from_secs(secs));
+            nft(n, "delete table inet soak");
+            format!("{}: handshake port blocked {secs} s", n.ns)
+        }
+        Fault::EnginePaused => {
+            let ms = dice.within(500, 3000);
+            std::fs::write(
+                format!("/run/ipoib-ctl/{}.fault", n.iface),
+                format!("pause {ms}"),
+            )
+            .unwrap();
+            std::thread::sleep(Duration::from_millis(ms));
+            format!("{}: engine paused {ms} ms", n.ns)
+        }
+        Fault::Policy => {
+            let (set, back) = if dice.next().is_multiple_of(2) {
+                ("mode=datagram", "mode=auto")
+            } else {
+                ("max-connections=1", "max-connections=64")
+            };
+            let ok = |w: &str| {
+                let out = n.ctl(&["set-policy", &n.iface, w]).unwrap();
+                assert!(out.status.success(), "set-policy {w}: {out:?}");
+            };
+            ok(set);
+            std::thread::sleep(Duration::from_secs(dice.within(2, 8)));
+            ok(back);
+            format!("{}: {set}, then {back}", n.ns)
+        }
+        Fault::DetachAttach => {
+            // SAFETY: a signal to the lab's own child; it stops cleanly.
+            unsafe { libc::kill(pids[i] as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while rss_and_fds(pids[i]).0 > 0 && t.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let out = n.ctl(&["detach", &n.iface]).unwrap();
+            assert!(out.status.success(), "detach: {out:?}");
+            std::thread::sleep(Duration::from_secs(dice.within(1, 5)));
+            pids[i] = attach_node(lab, n, recv, dev, &["--test-faults"]);
+            format!("{}: detached, attached again", n.ns)
+        }
+    }
+}
+
+/// No window lost more than the engine holds; the datagrams lost outside every window (with
+/// when each was due), if any.
+fn udp_lost_only_in_windows(
+    pace: Pace,
+    sent: u32,
+    got: &[(u32, Instant)],
+    windows: &[(Instant, Instant, String)],
+) -> Result<(), Vec<(usize, Instant)>> {
+    let mut arrived = vec![false; sent as usize];
+    for (i, _) in got {
+        if let Some(a) = arrived.get_mut(*i as usize) {
+            *a = true;
+        }
+    }
+    let mut per_window = vec![0usize; windows.len()];
+    let mut outside = Vec::new();
+    for (i, ok) in arrived.iter().enumerate() {
+        if *ok {
+            continue;
+        }
+        let due = pace.due(i as u32);
+        match windows
+            .iter()
+            .position(|(from, to, _)| (*from..=*to).contains(&due))
+        {
+            Some(w) => per_window[w] += 1,
+            None => outside.push((i, due)),
+        }
+    }
+    for (lost, (_, _, what)) in per_window.iter().zip(windows) {
+        if *lost > 0 {
+            eprintln!("  {lost} datagrams lost around: {what}");
+        }
+        assert!(*lost <= ENGINE_HOLDS, "{lost} datagrams lost around {what}");
+    }
+    if outside.is_empty() {
+        Ok(())
+    } else {
+        Err(outside)
+    }
+}
+
+/// The last quarter's highest of each measure no higher than the first quarter's, within a
+/// margin: a quarter of it, and a floor for the small counts.
+fn flat(samples: &[(Duration, Held)]) {
+    assert!(samples.len() >= 8, "{} samples", samples.len());
+    let q = samples.len() / 4;
+    let (first, last) = (&samples[..q], &samples[samples.len() - q..]);
+    let max = |s: &[(Duration, Held)], f: fn(&Held) -> u64| s.iter().map(|(_, h)| f(h)).max();
+    type Measure = (&'static str, fn(&Held) -> u64, u64);
+    let measures: [Measure; 5] = [
+        ("RSS (KiB)", |h| h.rss_kib, 8 << 10),
+        ("descriptors", |h| h.fds, 16),
+        ("tasks", |h| h.tasks, 16),
+        ("registered bytes", |h| h.registered, 8 << 20),
+        ("QPs", |h| h.qps, 8),
+    ];
+    for (what, f, floor) in measures {
+        let (a, z) = (max(first, f).unwrap(), max(last, f).unwrap());
+        eprintln!("  {what}: first quarter {a}, last quarter {z}");
+        assert!(
+            z <= a + (a / 4).max(floor),
+            "{what} crept up: {a} in the first quarter, {z} in the last"
+        );
+    }
+}
+
+/// HH:MM:SS.mmm (UTC) of `t`, as the logs' timestamps write the time of day.
+fn time_of_day(t: std::time::SystemTime) -> String {
+    let ms = t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() % 86_400_000;
+    let s = ms / 1000;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        s / 3600,
+        s / 60 % 60,
+        s % 60,
+        ms % 1000
+    )
+}
+
+/// `n`'s UdpRcvbufErrors (datagrams dropped because a socket's buffer was full).
+fn udp_rcvbuf_errors(n: &Node) -> u64 {
+    let out = n
+        .cmd("nstat")
+        .args(["-az", "UdpRcvbufErrors"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("UdpRcvbufErrors"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Packets `n`'s engine TUN device dropped on transmit (its queue full), 0 without one.
+fn tun_tx_dropped(n: &Node) -> u64 {
+    let out = n
+        .cmd("ip")
+        .args(["-s", "-j", "link", "show"])
+        .output()
+        .unwrap();
+    let links: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    links
+        .iter()
+        .filter(|l| l["ifname"].as_str().is_some_and(|i| i.ends_with("cm")))
+        .filter_map(|l| l["stats64"]["tx"]["dropped"].as_u64())
+        .sum()
+}
