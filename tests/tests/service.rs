@@ -6,7 +6,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use ipoib_tests::{lab::ctl_path, programs::output};
+use ipoib_tests::{lab::ctl_path, programs::output, sandbox::unit_text};
 
 fn ctl(args: &[&str]) -> std::process::Output {
     output(Command::new(ctl_path()).args(args)).unwrap()
@@ -17,13 +17,6 @@ fn scratch(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn unit_text() -> String {
-    std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../ipoib-ctl/ipoib-ctl@.service"),
-    )
-    .unwrap()
 }
 
 /// `systemd-analyze verify` on an instance of the unit, its binary this build's: no error,
