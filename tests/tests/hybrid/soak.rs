@@ -12,6 +12,8 @@
 //! xtask soak --minutes N` sets it), IPOIB_SOAK_SEED the schedule (printed, so a failure
 //! replays). Not in the suite yet: see docs/testing.md, "The soak", for the losses it finds.
 
+use ipoib_tests::Rng;
+
 use super::*;
 
 /// At most what the engine holds when it dies or stalls: the TUN queue (500), the
@@ -35,20 +37,9 @@ fn the_soak_on_an_srq() {
     soak(Recv::Srq);
 }
 
-/// xorshift64*: the schedule's dice.
-struct Dice(u64);
-
-impl Dice {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn within(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
+/// A number from `lo` to `hi`, both included: the schedule's dice.
+fn within(dice: &mut Rng, lo: u64, hi: u64) -> u64 {
+    lo + dice.below(hi - lo + 1)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -101,7 +92,7 @@ fn soak(recv: Recv) {
                 .as_nanos() as u64
         });
     eprintln!("{test}: {secs} s, IPOIB_SOAK_SEED={seed}");
-    let mut dice = Dice(seed | 1);
+    let mut dice = Rng::new(seed);
     let guard = ipoib_tests::cmlab::LinkUp("rxev0".into());
     let nodes = [lab.a.clone(), lab.b.clone(), lab.more[0].clone()];
     let mut pids = [0u32; 3];
@@ -135,17 +126,17 @@ fn soak(recv: Recv) {
     let end = t0 + Duration::from_secs(secs);
     let mut windows: Vec<(Instant, Instant, String)> = Vec::new();
     let mut samples: Vec<(Duration, Held)> = Vec::new();
-    let mut next_fault = t0 + Duration::from_secs(dice.within(5, 30));
+    let mut next_fault = t0 + Duration::from_secs(within(&mut dice, 5, 30));
     while Instant::now() < end {
         samples.push((t0.elapsed(), held(&nodes, &pids, &dev)));
         if Instant::now() >= next_fault {
-            let fault = FAULTS[dice.next() as usize % FAULTS.len()];
-            let i = dice.next() as usize % 3;
+            let fault = FAULTS[dice.next_u64() as usize % FAULTS.len()];
+            let i = dice.next_u64() as usize % 3;
             let began = Instant::now();
             let what = inflict(&mut lab, &nodes, &mut pids, i, fault, recv, &dev, &mut dice);
             eprintln!("{:>6.1?} {what}", began - t0);
             windows.push((began - BEFORE, Instant::now() + AFTER, what));
-            next_fault = Instant::now() + Duration::from_secs(dice.within(5, 30));
+            next_fault = Instant::now() + Duration::from_secs(within(&mut dice, 5, 30));
         }
         std::thread::sleep(Duration::from_secs(2));
     }
@@ -232,7 +223,7 @@ fn inflict(
     fault: Fault,
     recv: Recv,
     dev: &str,
-    dice: &mut Dice,
+    dice: &mut Rng,
 ) -> String {
     let n = &nodes[i];
     match fault {
@@ -242,7 +233,7 @@ fn inflict(
             format!("{}: kill -9, started again", n.ns)
         }
         Fault::StopCont => {
-            let secs = dice.within(1, 4);
+            let secs = within(dice, 1, 4);
             // SAFETY: signals to the lab's own child.
             unsafe { libc::kill(pids[i] as i32, libc::SIGSTOP) };
             std::thread::sleep(Duration::from_secs(secs));
@@ -250,14 +241,14 @@ fn inflict(
             format!("{}: stopped {secs} s", n.ns)
         }
         Fault::RcLinkDownUp => {
-            let secs = dice.within(2, 6);
+            let secs = within(dice, 2, 6);
             set_link("rxev0", "down").unwrap();
             std::thread::sleep(Duration::from_secs(secs));
             set_link("rxev0", "up").unwrap();
             format!("RC link down {secs} s")
         }
         Fault::PortBlocked => {
-            let secs = dice.within(3, 10);
+            let secs = within(dice, 3, 10);
             nft(
                 n,
                 "table inet soak { chain input { type filter hook input priority 0; \
@@ -268,7 +259,7 @@ fn inflict(
             format!("{}: handshake port blocked {secs} s", n.ns)
         }
         Fault::EnginePaused => {
-            let ms = dice.within(500, 3000);
+            let ms = within(dice, 500, 3000);
             std::fs::write(
                 format!("/run/ipoib-ctl/{}.fault", n.iface),
                 format!("pause {ms}"),
@@ -278,7 +269,7 @@ fn inflict(
             format!("{}: engine paused {ms} ms", n.ns)
         }
         Fault::Policy => {
-            let (set, back) = if dice.next().is_multiple_of(2) {
+            let (set, back) = if dice.next_u64().is_multiple_of(2) {
                 ("mode=datagram", "mode=auto")
             } else {
                 ("max-connections=1", "max-connections=64")
@@ -288,7 +279,7 @@ fn inflict(
                 assert!(out.status.success(), "set-policy {w}: {out:?}");
             };
             ok(set);
-            std::thread::sleep(Duration::from_secs(dice.within(2, 8)));
+            std::thread::sleep(Duration::from_secs(within(dice, 2, 8)));
             ok(back);
             format!("{}: {set}, then {back}", n.ns)
         }
@@ -301,7 +292,7 @@ fn inflict(
             }
             let out = n.ctl(&["detach", &n.iface]).unwrap();
             assert!(out.status.success(), "detach: {out:?}");
-            std::thread::sleep(Duration::from_secs(dice.within(1, 5)));
+            std::thread::sleep(Duration::from_secs(within(dice, 1, 5)));
             pids[i] = attach_node(lab, n, recv, dev, &["--test-faults"]);
             format!("{}: detached, attached again", n.ns)
         }
