@@ -61,8 +61,8 @@ struct Flow<Q> {
     dst: IpAddr,
     qp: Q,
     in_flight: u32,
-    /// Filled send slots waiting to be posted, and their lengths.
-    waiting: VecDeque<(u32, u32)>,
+    /// Filled send slots waiting to be posted: slot, length, and the packet's [`flow_key`].
+    waiting: VecDeque<(u32, u32, u64)>,
     congested: bool,
     dead: bool,
 }
@@ -81,7 +81,7 @@ impl<Q> Flow<Q> {
 
     /// Drops what waits, its slots given back to `free` at once, each counted under `why`.
     fn drop_waiting(&mut self, free: &mut Vec<u32>, stats: &EngineStats, why: Dropped) {
-        for (s, _) in self.waiting.drain(..) {
+        for (s, _, _) in self.waiting.drain(..) {
             free.push(s);
             count(why(stats));
         }
@@ -99,6 +99,23 @@ impl<Q> Flow<Q> {
     ) -> Option<EngineEvent> {
         self.drop_waiting(free, stats, |s| &s.tx_backpressure);
         (!std::mem::replace(&mut self.dead, true)).then_some(EngineEvent::QpError { qpn, status })
+    }
+
+    /// Which waiting packet to drop so that a packet of flow `key` may wait: the oldest of the
+    /// flow that holds the most of the queue, if that is not `key`'s own (then None: the new
+    /// packet is the one dropped). A sparse flow so loses nothing to a bulk one that shares
+    /// its connection, as fq_codel drops from its fattest flow.
+    fn victim_for(&self, key: u64) -> Option<usize> {
+        let mut held: HashMap<u64, usize> = HashMap::new();
+        for (_, _, k) in &self.waiting {
+            *held.entry(*k).or_default() += 1;
+        }
+        let own = held.get(&key).copied().unwrap_or(0) + 1;
+        let (fattest, most) = held.into_iter().max_by_key(|(_, n)| *n)?;
+        if most <= own {
+            return None;
+        }
+        self.waiting.iter().position(|(_, _, k)| *k == fattest)
     }
 
     /// One more data send in flight, its depth counted (`tx_depth_sum`).
@@ -147,6 +164,29 @@ fn request(slot: u32, len: u32) -> SendRequest {
         len,
         wr_id: u64::from(slot),
     }
+}
+
+/// An IP packet's flow within its connection: its source address, protocol and ports (none
+/// for a fragment after the first, nor past IPv6 extension headers), hashed.
+fn flow_key(pkt: &[u8]) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    let (src, proto, l4) = match pkt.first().map(|b| b >> 4) {
+        Some(4) => {
+            let ihl = usize::from(pkt[0] & 0x0f) * 4;
+            let later_fragment = pkt
+                .get(6..8)
+                .is_some_and(|f| u16::from_be_bytes([f[0], f[1]]) & 0x1fff != 0);
+            let l4 = if later_fragment { None } else { pkt.get(ihl..) };
+            (pkt.get(12..16), pkt.get(9), l4)
+        }
+        Some(6) => (pkt.get(8..24), pkt.get(6), pkt.get(40..)),
+        _ => (None, None, None),
+    };
+    let ports = match proto {
+        Some(6 | 17 | 132) => l4.and_then(|l| l.get(..4)),
+        _ => None,
+    };
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((src, proto, ports))
 }
 
 /// The destination address of an IP packet.
@@ -443,33 +483,37 @@ impl<Q: SendEnd> EngineCore<Q> {
             return Err(|s| &s.tx_no_connection);
         }
         let full = flow.in_flight >= self.cfg.max_send_wr;
-        // Past the bound the next packets go UD until the queue drains; this one, already
-        // read, still waits its turn while slots are left for the other connections.
-        if full && flow.waiting.len() >= self.cfg.backlog {
-            // Slots are kept back only where another connection may need them.
-            let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
-            if keep {
-                flow.waiting.push_back((slot, len as u32));
-                count(&self.stats.tx_window_waits);
-            }
-            // A route being let go is no longer the peer's: nothing to send UD.
-            if !self.draining.contains_key(&qpn) && !std::mem::replace(&mut flow.congested, true) {
-                count(&self.stats.tx_congested);
-                self.events.push_back(EngineEvent::Congested(dst));
-            }
-            return if keep {
-                Ok(())
-            } else {
-                Err(|s| &s.tx_backpressure)
-            };
+        if !full {
+            flow.admit(&self.stats);
+            self.outbox.push((qpn, request(slot, len as u32)));
+            return Ok(());
         }
-        if full {
-            flow.waiting.push_back((slot, len as u32));
+        let key = flow_key(&msg[VNET_HDR_LEN..]);
+        if flow.waiting.len() < self.cfg.backlog {
+            flow.waiting.push_back((slot, len as u32, key));
             count(&self.stats.tx_window_waits);
             return Ok(());
         }
-        flow.admit(&self.stats);
-        self.outbox.push((qpn, request(slot, len as u32)));
+        // Past the bound the next packets go UD until the queue drains; this one, already
+        // read, still waits its turn while slots are left for the other connections.
+        // A route being let go is no longer the peer's: nothing to send UD.
+        if !self.draining.contains_key(&qpn) && !std::mem::replace(&mut flow.congested, true) {
+            count(&self.stats.tx_congested);
+            self.events.push_back(EngineEvent::Congested(dst));
+        }
+        // Slots are kept back only where another connection may need them; then a packet
+        // of the queue's fattest flow is the one dropped.
+        let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
+        if !keep {
+            let Some(i) = flow.victim_for(key) else {
+                return Err(|s| &s.tx_backpressure);
+            };
+            let (victim, _, _) = flow.waiting.remove(i).expect("a waiting packet");
+            self.free.push(victim);
+            count(&self.stats.tx_backpressure);
+        }
+        flow.waiting.push_back((slot, len as u32, key));
+        count(&self.stats.tx_window_waits);
         Ok(())
     }
 
@@ -559,7 +603,7 @@ impl<Q: SendEnd> EngineCore<Q> {
                 .is_some_and(|r| r.qp.qpn() == wc.qp_num);
         if !routed {
             flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
-        } else if let Some((s, len)) = flow.waiting.pop_front() {
+        } else if let Some((s, len, _)) = flow.waiting.pop_front() {
             flow.admit(&self.stats);
             self.outbox.push((wc.qp_num, request(s, len)));
         }

@@ -365,6 +365,160 @@ fn a_congested_connection_leaves_spare_slots_to_the_others() {
     assert_eq!(stat(&c, "tx_congested"), 1);
 }
 
+/// A TUN read of a UDP datagram of `len` bytes from port `sport` to `dst` (IPv4).
+fn datagram(dst: &str, sport: u16, len: usize) -> Vec<u8> {
+    let mut m = packet(ip(dst), len);
+    let p = &mut m[VNET_HDR_LEN..];
+    p[9] = 17;
+    p[20..22].copy_from_slice(&sport.to_be_bytes());
+    p[22..24].copy_from_slice(&5404u16.to_be_bytes());
+    m
+}
+
+#[test]
+fn under_overload_a_sparse_flow_loses_nothing_to_a_bulk_one_on_its_connection() {
+    // 16 slots, a window of 1, a backlog of 1, 12 kept spare: 4 slots for 10.0.0.2.
+    let mut c = core_with(1, 1, 12);
+    route(&mut c, "10.0.0.2", 7, 65520);
+    route(&mut c, "10.0.0.3", 8, 65520);
+    let bulk: Vec<u32> = (0..4)
+        .map(|_| read(&mut c, &datagram("10.0.0.2", 1, 1000)))
+        .collect();
+    assert_eq!(c.free_slots(), 12);
+    // A datagram of another flow past the bound: the bulk flow's oldest waiting one gives
+    // its slot back (bulk[0] is in flight), and this one waits in the queue.
+    let sparse = read(&mut c, &datagram("10.0.0.2", 2, 200));
+    assert_eq!(stat(&c, "tx_backpressure"), 1);
+    assert_eq!(c.free_slots(), 12);
+    // The bulk flow's next is its own to drop: it holds the most of the queue.
+    read(&mut c, &datagram("10.0.0.2", 1, 1000));
+    assert_eq!(stat(&c, "tx_backpressure"), 2);
+    assert_eq!(c.free_slots(), 12);
+    // A second sparse datagram: the bulk flow holds 2, as many as this flow would with it,
+    // so this one is dropped.
+    read(&mut c, &datagram("10.0.0.2", 2, 200));
+    assert_eq!(stat(&c, "tx_backpressure"), 3);
+    assert_eq!(stat(&c, "tx_window_waits"), 4);
+    // What goes, in order: the first in flight, then the bulk flow's two left, then the
+    // sparse one; bulk[1] never.
+    let mut sent = post(&mut c);
+    for _ in 0..3 {
+        let (_, slot, _) = *sent.last().unwrap();
+        done(&mut c, 7, slot, None);
+        sent.extend(post(&mut c));
+    }
+    assert_eq!(
+        sent,
+        [
+            (7, bulk[0], 1000),
+            (7, bulk[2], 1000),
+            (7, bulk[3], 1000),
+            (7, sparse, 200)
+        ]
+    );
+}
+
+#[test]
+fn a_flow_is_its_source_protocol_and_ports() {
+    let key = |sport: u16| flow_key(&datagram("10.0.0.2", sport, 100)[VNET_HDR_LEN..]);
+    assert_eq!(key(1), key(1));
+    assert_ne!(key(1), key(2), "another source port");
+    let mut other_dport = datagram("10.0.0.2", 1, 100);
+    other_dport[VNET_HDR_LEN + 23] ^= 1;
+    assert_ne!(
+        flow_key(&other_dport[VNET_HDR_LEN..]),
+        key(1),
+        "another destination port"
+    );
+    let mut other_src = datagram("10.0.0.2", 1, 100);
+    other_src[VNET_HDR_LEN + 15] = 9;
+    assert_ne!(
+        flow_key(&other_src[VNET_HDR_LEN..]),
+        key(1),
+        "another source address"
+    );
+    // The ports are read past the header's options (IHL 6: 24 bytes).
+    let mut options = datagram("10.0.0.2", 1, 100);
+    options[VNET_HDR_LEN] = 0x46;
+    let with_ports = |m: &mut Vec<u8>, at: usize, p: u16| {
+        m[VNET_HDR_LEN + at..VNET_HDR_LEN + at + 2].copy_from_slice(&p.to_be_bytes())
+    };
+    with_ports(&mut options, 24, 7);
+    let a = flow_key(&options[VNET_HDR_LEN..]);
+    with_ports(&mut options, 24, 8);
+    assert_ne!(
+        flow_key(&options[VNET_HDR_LEN..]),
+        a,
+        "ports after the options"
+    );
+    with_ports(&mut options, 20, 9);
+    assert_ne!(
+        flow_key(&options[VNET_HDR_LEN..]),
+        a,
+        "the options are no ports"
+    );
+}
+
+#[test]
+fn a_later_fragment_and_a_protocol_without_ports_are_keyed_without_them() {
+    // A fragment after the first has no ports: its bytes there are data.
+    let later = |sport: u16| {
+        let mut m = datagram("10.0.0.2", sport, 100);
+        m[VNET_HDR_LEN + 6..VNET_HDR_LEN + 8].copy_from_slice(&0x0001u16.to_be_bytes());
+        flow_key(&m[VNET_HDR_LEN..])
+    };
+    assert_eq!(later(1), later(2));
+    // The first fragment has them (more fragments, offset 0).
+    let first = |sport: u16| {
+        let mut m = datagram("10.0.0.2", sport, 100);
+        m[VNET_HDR_LEN + 6] = 0x20;
+        flow_key(&m[VNET_HDR_LEN..])
+    };
+    assert_ne!(first(1), first(2));
+    // A protocol without ports: the bytes there are not read.
+    let icmp = |b: u8| {
+        let mut m = datagram("10.0.0.2", 1, 100);
+        m[VNET_HDR_LEN + 9] = 1;
+        m[VNET_HDR_LEN + 20] = b;
+        flow_key(&m[VNET_HDR_LEN..])
+    };
+    assert_eq!(icmp(1), icmp(2));
+    // TCP and SCTP have ports where UDP has them.
+    for proto in [6u8, 132] {
+        let k = |sport: u16| {
+            let mut m = datagram("10.0.0.2", sport, 100);
+            m[VNET_HDR_LEN + 9] = proto;
+            flow_key(&m[VNET_HDR_LEN..])
+        };
+        assert_ne!(k(1), k(2), "protocol {proto}");
+    }
+}
+
+#[test]
+fn an_ipv6_flow_is_keyed_too_and_a_short_packet_is_no_panic() {
+    // IPv6: source at 8, next header at 6, ports at 40.
+    let v6 = |sport: u16, src: u8| {
+        let mut m = packet(ip("fd00::2"), 100);
+        let p = &mut m[VNET_HDR_LEN..];
+        p[6] = 17;
+        p[23] = src;
+        p[40..42].copy_from_slice(&sport.to_be_bytes());
+        flow_key(p)
+    };
+    assert_eq!(v6(1, 1), v6(1, 1));
+    assert_ne!(v6(1, 1), v6(2, 1));
+    assert_ne!(v6(1, 1), v6(1, 2));
+    // Too short for what it names, or no IP at all: a key still, no panic.
+    for short in [
+        &[][..],
+        &[0x45][..],
+        &[0x4f, 0, 0, 0, 0, 0, 0, 0, 0, 17][..],
+        &[0x60; 30][..],
+    ] {
+        flow_key(short);
+    }
+}
+
 #[test]
 fn the_only_connection_keeps_every_slot_it_reads_into_past_the_backlog() {
     // Spare slots are kept for other connections: with none, none are kept back.
@@ -1245,7 +1399,7 @@ fn check_slots(c: &EngineCore<Qp>, in_flight: &[(u32, u32)], seed: u64, step: u3
     all.extend(
         c.flows
             .values()
-            .flat_map(|f| f.waiting.iter().map(|(s, _)| *s)),
+            .flat_map(|f| f.waiting.iter().map(|(s, _, _)| *s)),
     );
     all.extend(c.outbox.iter().map(|(_, r)| r.slot));
     all.extend(in_flight.iter().map(|(_, s)| *s));
