@@ -235,8 +235,6 @@ fn main() -> Result<()> {
                     targets: vec!["hybrid".into()],
                     filters: vec!["the_soak_on".into()],
                     env,
-                    // The soak's tests are ignored in the suite.
-                    long: true,
                     ..vm::Run::default()
                 },
             )

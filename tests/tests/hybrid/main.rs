@@ -234,7 +234,7 @@ impl Pace {
 struct PacedUdp {
     pace: Pace,
     stop: Arc<AtomicBool>,
-    sender: std::thread::JoinHandle<u32>,
+    sender: std::thread::JoinHandle<Vec<Instant>>,
     receiver: std::thread::JoinHandle<Vec<(u32, Instant)>>,
 }
 
@@ -275,17 +275,17 @@ impl PacedUdp {
             move || {
                 in_netns(&ns, move || {
                     let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-                    let mut i = 0u32;
+                    let mut sent = Vec::new();
                     while !stop.load(Ordering::Relaxed) {
                         let mut d = [0u8; Self::LEN];
-                        d[..4].copy_from_slice(&i.to_be_bytes());
+                        d[..4].copy_from_slice(&(sent.len() as u32).to_be_bytes());
                         // A full socket buffer would block: the rate is the sender's own.
+                        sent.push(Instant::now());
                         s.send_to(&d, &addr).expect("send a datagram");
-                        i += 1;
-                        let due = pace.due(i);
+                        let due = pace.due(sent.len() as u32);
                         std::thread::sleep(due.saturating_duration_since(Instant::now()));
                     }
-                    i
+                    sent
                 })
             }
         });
@@ -299,6 +299,12 @@ impl PacedUdp {
 
     /// Stops; (sent, each datagram received once with when it came).
     fn finish(self) -> (u32, Vec<(u32, Instant)>) {
+        let (sent, got) = self.finish_timed();
+        (sent.len() as u32, got)
+    }
+
+    /// Stops; (when each datagram was sent, each received once with when it came).
+    fn finish_timed(self) -> (Vec<Instant>, Vec<(u32, Instant)>) {
         self.stop.store(true, Ordering::Relaxed);
         let sent = self.sender.join().expect("UDP sender");
         let got = self.receiver.join().expect("UDP receiver");

@@ -8,9 +8,12 @@
 //! bytes and QPs are flat (the last quarter of the run no higher than the first, within a
 //! margin); after the final detach the device's resources are what they were before.
 //!
-//! IPOIB_SOAK_SECS sets the length of each receive model's run (90 s by default; `cargo
-//! xtask soak --minutes N` sets it), IPOIB_SOAK_SEED the schedule (printed, so a failure
-//! replays). Not in the suite yet: see docs/testing.md, "The soak", for the losses it finds.
+//! IPOIB_SOAK_SECS sets the length of each receive model's run (90 s by default, in the
+//! suite; `cargo xtask soak --minutes N` sets it), IPOIB_SOAK_SEED the schedule (printed, so a
+//! failure replays). A loss outside the windows prints, for each burst, the counters that grew
+//! more than usual around it (docs/testing.md, "The soak").
+
+use std::collections::BTreeMap;
 
 use ipoib_tests::Rng;
 
@@ -26,13 +29,11 @@ const BEFORE: Duration = Duration::from_secs(1);
 const AFTER: Duration = Duration::from_secs(15);
 
 #[test]
-#[ignore = "the soak (cargo xtask soak): it loses datagrams outside the faults' windows, under study (issue 36)"]
 fn the_soak_on_rings() {
     soak(Recv::Rings);
 }
 
 #[test]
-#[ignore = "the soak (cargo xtask soak): it loses datagrams outside the faults' windows, under study (issue 36)"]
 fn the_soak_on_an_srq() {
     soak(Recv::Srq);
 }
@@ -126,9 +127,15 @@ fn soak(recv: Recv) {
     let end = t0 + Duration::from_secs(secs);
     let mut windows: Vec<(Instant, Instant, String)> = Vec::new();
     let mut samples: Vec<(Duration, Held)> = Vec::new();
+    let mut timeline = Timeline::default();
     let mut next_fault = t0 + Duration::from_secs(within(&mut dice, 5, 30));
     while Instant::now() < end {
-        samples.push((t0.elapsed(), held(&nodes, &pids, &dev)));
+        samples.push((t0.elapsed(), held(&nodes, &pids, &dev, &mut timeline)));
+        // The counters that can say where a datagram went, four times between the samples.
+        for _ in 0..4 {
+            timeline.record(counters(&[a, b]));
+            std::thread::sleep(Duration::from_millis(500));
+        }
         if Instant::now() >= next_fault {
             let fault = FAULTS[dice.next_u64() as usize % FAULTS.len()];
             let i = dice.next_u64() as usize % 3;
@@ -138,18 +145,22 @@ fn soak(recv: Recv) {
             windows.push((began - BEFORE, Instant::now() + AFTER, what));
             next_fault = Instant::now() + Duration::from_secs(within(&mut dice, 5, 30));
         }
-        std::thread::sleep(Duration::from_secs(2));
     }
     // The last fault's window: connected mode back before the flows end.
-    std::thread::sleep(AFTER);
+    let settled = Instant::now() + AFTER;
+    while Instant::now() < settled {
+        timeline.record(counters(&[a, b]));
+        std::thread::sleep(Duration::from_millis(500));
+    }
     let sent: Vec<u64> = streams.into_iter().map(Stream::finish).collect();
     let pace = udp.pace;
-    let (udp_sent, got) = udp.finish();
+    let (udp_sent, got) = udp.finish_timed();
     eprintln!(
-        "{test}: {} faults; streams {:?} MiB, intact; UDP {} of {udp_sent} arrived",
+        "{test}: {} faults; streams {:?} MiB, intact; UDP {} of {} arrived",
         windows.len(),
         sent.iter().map(|s| s >> 20).collect::<Vec<_>>(),
-        got.len()
+        got.len(),
+        udp_sent.len()
     );
     // Where else a datagram can go under load, counted by the kernel: B's socket buffer
     // full, A's engine TUN queue full (printed for the loss analysis, not judged).
@@ -164,7 +175,7 @@ fn soak(recv: Recv) {
             eprintln!("  {}'s engine: {:?}", n.ns, cm.engine);
         }
     }
-    let udp_verdict = udp_lost_only_in_windows(pace, udp_sent, &got, &windows);
+    let udp_verdict = udp_lost_only_in_windows(&udp_sent, &got, &windows);
     flat(&samples);
     lab.teardown();
     drop(guard);
@@ -172,12 +183,23 @@ fn soak(recv: Recv) {
     let wall = std::time::SystemTime::now() - pace.t0.elapsed();
     if let Err(lost) = udp_verdict {
         // Where to look: the wall-clock time of each loss, to set beside the logs' lines.
-        for (i, due) in &lost {
-            let at = time_of_day(wall + (*due - pace.t0));
+        for (i, at) in &lost {
             eprintln!(
-                "  #{i} was due at {at} UTC ({:.2?} into the flow)",
-                *due - pace.t0
+                "  #{i} was sent at {} UTC ({:.2?} into the flow, {:.0?} after it was due)",
+                time_of_day(wall + (*at - pace.t0)),
+                *at - pace.t0,
+                at.saturating_duration_since(pace.due(*i as u32))
             );
+        }
+        for (first, last) in bursts(&lost) {
+            eprintln!(
+                "  counted around the loss {:.2?}..{:.2?} into the flow (more than usual):",
+                first - pace.t0,
+                last - pace.t0
+            );
+            for line in timeline.unusual(first, last) {
+                eprintln!("    {line}");
+            }
         }
         for n in [a, b] {
             eprintln!("--- {} log ---\n{}", n.ns, ctl_log(n));
@@ -197,18 +219,30 @@ fn soak(recv: Recv) {
     }
 }
 
-/// What every node's control loop holds now, summed, and the device's QPs.
-fn held(nodes: &[Node; 3], pids: &[u32; 3], dev: &str) -> Held {
+/// What every node's control loop holds now, summed, and the device's QPs; the fast path's
+/// reasons of the first two nodes (A and B) go to `timeline`.
+fn held(nodes: &[Node; 3], pids: &[u32; 3], dev: &str, timeline: &mut Timeline) -> Held {
     let mut h = Held::default();
-    for (n, pid) in nodes.iter().zip(pids) {
+    let mut reasons = Vec::new();
+    for (i, (n, pid)) in nodes.iter().zip(pids).enumerate() {
         let (rss, fds) = rss_and_fds(*pid);
         h.rss_kib += rss;
         h.fds += fds;
-        if let Ok(Some(cm)) = n.cm() {
+        let Ok(s) = n.status() else { continue };
+        if let Some(cm) = s.cm {
             h.tasks += cm.tasks;
             h.registered += cm.receive.registered_bytes;
         }
+        if i < 2 {
+            let who = who(n);
+            reasons.extend(
+                s.reasons
+                    .iter()
+                    .map(|(k, v)| (format!("{who} reason {k}"), v.packets)),
+            );
+        }
     }
+    timeline.record(reasons);
     h.qps = rdma_resources(dev).get("qp").copied().unwrap_or(0);
     h
 }
@@ -252,7 +286,7 @@ fn inflict(
             nft(
                 n,
                 "table inet soak { chain input { type filter hook input priority 0; \
-                 tcp dport 4755 drop; } }",
+                 tcp dport 4755 drop; }; }",
             );
             std::thread::sleep(Duration::from_secs(secs));
             nft(n, "delete table inet soak");
@@ -300,14 +334,13 @@ fn inflict(
 }
 
 /// No window lost more than the engine holds; the datagrams lost outside every window (with
-/// when each was due), if any.
+/// when each was sent), if any.
 fn udp_lost_only_in_windows(
-    pace: Pace,
-    sent: u32,
+    sent: &[Instant],
     got: &[(u32, Instant)],
     windows: &[(Instant, Instant, String)],
 ) -> Result<(), Vec<(usize, Instant)>> {
-    let mut arrived = vec![false; sent as usize];
+    let mut arrived = vec![false; sent.len()];
     for (i, _) in got {
         if let Some(a) = arrived.get_mut(*i as usize) {
             *a = true;
@@ -315,17 +348,16 @@ fn udp_lost_only_in_windows(
     }
     let mut per_window = vec![0usize; windows.len()];
     let mut outside = Vec::new();
-    for (i, ok) in arrived.iter().enumerate() {
+    for (i, (ok, at)) in arrived.iter().zip(sent).enumerate() {
         if *ok {
             continue;
         }
-        let due = pace.due(i as u32);
         match windows
             .iter()
-            .position(|(from, to, _)| (*from..=*to).contains(&due))
+            .position(|(from, to, _)| (*from..=*to).contains(at))
         {
             Some(w) => per_window[w] += 1,
-            None => outside.push((i, due)),
+            None => outside.push((i, *at)),
         }
     }
     for (lost, (_, _, what)) in per_window.iter().zip(windows) {
@@ -406,4 +438,138 @@ fn tun_tx_dropped(n: &Node) -> u64 {
         .filter(|l| l["ifname"].as_str().is_some_and(|i| i.ends_with("cm")))
         .filter_map(|l| l["stats64"]["tx"]["dropped"].as_u64())
         .sum()
+}
+
+/// The last letter of a node's namespace: a, b or c.
+fn who(n: &Node) -> &str {
+    n.ns.rsplit('-').next().unwrap_or(&n.ns)
+}
+
+/// The cheap counters of `nodes` that can say where a datagram went: their engines' (from
+/// the status file), their links' drops and errors, and their kernels' drop and error counters
+/// (as nstat names them), read in-process from each namespace's /proc/net; and the machine's
+/// softnet drops and squeezes. (The fast path's reasons cost a `status`: `held` records them,
+/// less often.)
+fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
+    let mut c = Vec::new();
+    for n in nodes {
+        let who = who(n).to_string();
+        if let Some(cm) = ipoib_ctl::status::cm::read_status(&n.iface) {
+            c.extend(
+                cm.engine
+                    .iter()
+                    .map(|(k, v)| (format!("{who} engine {k}"), *v)),
+            );
+        }
+        let net = in_netns(&n.ns, || {
+            ["dev", "snmp", "netstat"]
+                .map(|f| std::fs::read_to_string(format!("/proc/thread-self/net/{f}")).unwrap())
+        });
+        let [dev, snmp, netstat] = net;
+        // Inter-|   Receive: bytes packets errs drop fifo frame compressed multicast|Transmit:
+        // bytes packets errs drop fifo colls carrier compressed
+        for line in dev.lines().skip(2) {
+            let Some((name, v)) = line.split_once(':') else {
+                continue;
+            };
+            let v: Vec<u64> = v
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            for (i, k) in [
+                (2, "rx_errs"),
+                (3, "rx_drop"),
+                (4, "rx_fifo"),
+                (10, "tx_errs"),
+                (11, "tx_drop"),
+            ] {
+                if let Some(x) = v.get(i) {
+                    c.push((format!("{who} link {} {k}", name.trim()), *x));
+                }
+            }
+        }
+        // "Proto: Name Name ...", then "Proto: value value ...".
+        let telling = [
+            "Drop", "Err", "Discard", "Fail", "Overflow", "Prune", "NoPorts",
+        ];
+        for text in [snmp, netstat] {
+            let lines: Vec<&str> = text.lines().collect();
+            for pair in lines.chunks(2) {
+                let [names, values] = pair else { continue };
+                let (Some((proto, names)), Some((_, values))) =
+                    (names.split_once(':'), values.split_once(':'))
+                else {
+                    continue;
+                };
+                for (k, v) in names.split_whitespace().zip(values.split_whitespace()) {
+                    if telling.iter().any(|t| k.contains(t))
+                        && let Ok(v) = v.parse()
+                    {
+                        c.push((format!("{who} {proto}{k}"), v));
+                    }
+                }
+            }
+        }
+    }
+    let softnet = std::fs::read_to_string("/proc/net/softnet_stat").unwrap_or_default();
+    for (col, k) in [(1, "dropped"), (2, "time_squeeze")] {
+        let sum: u64 = softnet
+            .lines()
+            .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(col)?, 16).ok())
+            .sum();
+        c.push((format!("softnet {k}"), sum));
+    }
+    c
+}
+
+/// The lost datagrams' send times grouped in bursts (a gap of 100 ms or more starts the next):
+/// (first, last) of each.
+fn bursts(lost: &[(usize, Instant)]) -> Vec<(Instant, Instant)> {
+    let mut out: Vec<(Instant, Instant)> = Vec::new();
+    for (_, at) in lost {
+        match out.last_mut() {
+            Some((_, last)) if *at - *last < Duration::from_millis(100) => *last = *at,
+            _ => out.push((*at, *at)),
+        }
+    }
+    out
+}
+
+/// Counters over the run: each one's samples, (when, value).
+#[derive(Default)]
+struct Timeline(BTreeMap<String, Vec<(Instant, u64)>>);
+
+impl Timeline {
+    fn record(&mut self, counts: impl IntoIterator<Item = (String, u64)>) {
+        let now = Instant::now();
+        for (k, v) in counts {
+            self.0.entry(k).or_default().push((now, v));
+        }
+    }
+
+    /// The counters that grew more from their sample before `first` to their sample after
+    /// `last` than they usually grow over as many samples: "name: +delta (usually +typical)".
+    fn unusual(&self, first: Instant, last: Instant) -> Vec<String> {
+        let mut out = Vec::new();
+        for (k, series) in &self.0 {
+            let (Some(from), Some(to)) = (
+                series.iter().rposition(|(t, _)| *t <= first),
+                series.iter().position(|(t, _)| *t > last),
+            ) else {
+                continue;
+            };
+            let delta = |i: usize, j: usize| series[j].1.saturating_sub(series[i].1);
+            let d = delta(from, to);
+            let span = to - from;
+            let mut usual: Vec<u64> = (0..series.len() - span)
+                .map(|i| delta(i, i + span))
+                .collect();
+            usual.sort_unstable();
+            let typical = usual[usual.len() / 2];
+            if d > typical {
+                out.push(format!("{k}: +{d} (usually +{typical})"));
+            }
+        }
+        out
+    }
 }
