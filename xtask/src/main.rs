@@ -154,6 +154,15 @@ enum Cmd {
         /// The schedule's seed (a run prints its own).
         #[arg(long)]
         seed: Option<u64>,
+        /// The slow-machine mode, as for vm-test (2.5 when given no value).
+        #[arg(long, value_name = "FACTOR", num_args = 0..=1, default_missing_value = "2.5")]
+        slow: Option<f64>,
+        /// Only one receive model: rings or srq.
+        #[arg(long, value_parser = ["rings", "srq"])]
+        model: Option<String>,
+        /// The control loops' log level (RUST_LOG: info, debug, trace), for a replay.
+        #[arg(long, value_parser = ["info", "debug", "trace"])]
+        log: Option<String>,
     },
     /// The code's shape: ipoib-ctl's modules import in one direction, no source file over 800
     /// lines outside its tests, README.md under 300 lines.
@@ -224,18 +233,33 @@ fn main() -> Result<()> {
                 env: Vec::new(),
             },
         ),
-        Cmd::Soak { minutes, seed } => {
+        Cmd::Soak {
+            minutes,
+            seed,
+            slow,
+            model,
+            log,
+        } => {
             let mut env = vec![("IPOIB_SOAK_SECS".to_string(), (minutes * 60).to_string())];
             if let Some(s) = seed {
                 env.push(("IPOIB_SOAK_SEED".into(), s.to_string()));
+            }
+            if let Some(l) = log {
+                env.push(("IPOIB_SOAK_LOG".into(), l));
             }
             vm::test(
                 &root,
                 &vm::Run {
                     targets: vec!["hybrid".into()],
-                    filters: vec!["the_soak_on".into()],
+                    filters: vec![match model.as_deref() {
+                        Some("rings") => "the_soak_on_rings".into(),
+                        Some(_) => "the_soak_on_an_srq".into(),
+                        None => "the_soak_on".into(),
+                    }],
                     env,
-                    ..vm::Run::default()
+                    slow,
+                    // The soak's tests are ignored in the suite.
+                    long: true,
                 },
             )
         }

@@ -252,6 +252,20 @@ impl PacedUdp {
             move || std::net::UdpSocket::bind(addr).expect("UDP at B")
         });
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // 8 MiB: the receiving thread may be starved for seconds on a slow machine, and a
+        // datagram its socket drops is the test's loss, not the datapath's.
+        let rcvbuf: libc::c_int = 8 << 20;
+        // SAFETY: setsockopt on an open socket with an int option of the right size.
+        let rc = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&sock),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUFFORCE,
+                (&raw const rcvbuf).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", std::io::Error::last_os_error());
         let stop = Arc::new(AtomicBool::new(false));
         let pace = Pace {
             t0: Instant::now(),
