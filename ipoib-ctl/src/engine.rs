@@ -20,8 +20,8 @@
 //! marks the peer UD, so the next packets go over UD at once; what the engine has already
 //! read still goes over the connection, in order, as long as `spare_slots` send slots stay
 //! free for the other connections, if any: a switch to UD loses nothing. Past that a packet
-//! is dropped and counted, one of the flow (source, protocol, ports) that holds the most of
-//! the queue, so a sparse flow loses nothing to a bulk one beside it.
+//! is dropped and counted, one of the flow (source, protocol, ports) that holds the most
+//! bytes of the queue, so a sparse flow loses nothing to a bulk one beside it.
 //! [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause while no send slot
 //! is free. A send that completes in error, a receive that does (not
 //! flushed), or a send the QP refuses to take reports [`EngineEvent::QpError`] once per QP:

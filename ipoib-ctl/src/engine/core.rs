@@ -101,16 +101,17 @@ impl<Q> Flow<Q> {
         (!std::mem::replace(&mut self.dead, true)).then_some(EngineEvent::QpError { qpn, status })
     }
 
-    /// Which waiting packet to drop so that a packet of flow `key` may wait: the oldest of the
-    /// flow that holds the most of the queue, if that is not `key`'s own (then None: the new
-    /// packet is the one dropped). A sparse flow so loses nothing to a bulk one that shares
-    /// its connection, as fq_codel drops from its fattest flow.
-    fn victim_for(&self, key: u64) -> Option<usize> {
-        let mut held: HashMap<u64, usize> = HashMap::new();
-        for (_, _, k) in &self.waiting {
-            *held.entry(*k).or_default() += 1;
+    /// Which waiting packet to drop so that a packet of `len` bytes of flow `key` may wait: the
+    /// oldest of the flow that holds the most bytes of the queue, if that is not `key`'s own
+    /// with this packet (then None: the new packet is the one dropped). A sparse flow so loses
+    /// nothing to a bulk one that shares its connection, as fq_codel drops from its fattest
+    /// flow; by bytes, since a bulk flow's packets are few and large.
+    fn victim_for(&self, key: u64, len: u32) -> Option<usize> {
+        let mut held: HashMap<u64, u64> = HashMap::new();
+        for (_, l, k) in &self.waiting {
+            *held.entry(*k).or_default() += u64::from(*l);
         }
-        let own = held.get(&key).copied().unwrap_or(0) + 1;
+        let own = held.get(&key).copied().unwrap_or(0) + u64::from(len);
         let (fattest, most) = held.into_iter().max_by_key(|(_, n)| *n)?;
         if most <= own {
             return None;
@@ -502,10 +503,10 @@ impl<Q: SendEnd> EngineCore<Q> {
             self.events.push_back(EngineEvent::Congested(dst));
         }
         // Slots are kept back only where another connection may need them; then a packet
-        // of the queue's fattest flow is the one dropped.
+        // of the queue's fattest flow (in bytes) is the one dropped.
         let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
         if !keep {
-            let Some(i) = flow.victim_for(key) else {
+            let Some(i) = flow.victim_for(key, len as u32) else {
                 return Err(|s| &s.tx_backpressure);
             };
             let (victim, _, _) = flow.waiting.remove(i).expect("a waiting packet");

@@ -387,20 +387,23 @@ fn under_overload_a_sparse_flow_loses_nothing_to_a_bulk_one_on_its_connection() 
     assert_eq!(c.free_slots(), 12);
     // A datagram of another flow past the bound: the bulk flow's oldest waiting one gives
     // its slot back (bulk[0] is in flight), and this one waits in the queue.
-    let sparse = read(&mut c, &datagram("10.0.0.2", 2, 200));
+    let s1 = read(&mut c, &datagram("10.0.0.2", 2, 200));
     assert_eq!(stat(&c, "tx_backpressure"), 1);
     assert_eq!(c.free_slots(), 12);
-    // The bulk flow's next is its own to drop: it holds the most of the queue.
+    // The bulk flow's next is its own to drop: with it, it would hold the most (3000 bytes).
     read(&mut c, &datagram("10.0.0.2", 1, 1000));
     assert_eq!(stat(&c, "tx_backpressure"), 2);
-    assert_eq!(c.free_slots(), 12);
-    // A second sparse datagram: the bulk flow holds 2, as many as this flow would with it,
-    // so this one is dropped.
+    // Counted in bytes, not packets: two more small ones wait (400, then 600 bytes, against
+    // the bulk flow's 2000, then 1000), though the second makes them more packets than it.
+    let s2 = read(&mut c, &datagram("10.0.0.2", 2, 200));
+    let s3 = read(&mut c, &datagram("10.0.0.2", 2, 200));
+    assert_eq!(stat(&c, "tx_backpressure"), 4);
+    // Now the small flow holds the queue: its next is the one dropped.
     read(&mut c, &datagram("10.0.0.2", 2, 200));
-    assert_eq!(stat(&c, "tx_backpressure"), 3);
-    assert_eq!(stat(&c, "tx_window_waits"), 4);
-    // What goes, in order: the first in flight, then the bulk flow's two left, then the
-    // sparse one; bulk[1] never.
+    assert_eq!(stat(&c, "tx_backpressure"), 5);
+    assert_eq!(c.free_slots(), 12);
+    assert_eq!(stat(&c, "tx_window_waits"), 6);
+    // What goes, in order: the first in flight, then the small flow's three.
     let mut sent = post(&mut c);
     for _ in 0..3 {
         let (_, slot, _) = *sent.last().unwrap();
@@ -409,12 +412,7 @@ fn under_overload_a_sparse_flow_loses_nothing_to_a_bulk_one_on_its_connection() 
     }
     assert_eq!(
         sent,
-        [
-            (7, bulk[0], 1000),
-            (7, bulk[2], 1000),
-            (7, bulk[3], 1000),
-            (7, sparse, 200)
-        ]
+        [(7, bulk[0], 1000), (7, s1, 200), (7, s2, 200), (7, s3, 200)]
     );
 }
 
