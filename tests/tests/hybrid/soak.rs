@@ -484,9 +484,9 @@ fn who(n: &Node) -> &str {
 
 /// The cheap counters of `nodes` that can say where a datagram went: their engines' (from
 /// the status file), their links' drops and errors, and their kernels' drop and error counters
-/// (as nstat names them), read in-process from each namespace's /proc/net; and the machine's
-/// softnet drops and squeezes. (The fast path's reasons cost a `status`: [`reasons`], less
-/// often.)
+/// (as nstat names them), read in-process from each namespace's /proc/net; their qdiscs'
+/// drops (`tc`); and the machine's neighbour-table discards, softnet drops and squeezes.
+/// (The fast path's reasons cost a `status`: [`reasons`], less often.)
 fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
     let mut c = Vec::new();
     for n in nodes {
@@ -499,10 +499,25 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
             );
         }
         let net = in_netns(&n.ns, || {
-            ["dev", "snmp", "netstat"]
-                .map(|f| std::fs::read_to_string(format!("/proc/thread-self/net/{f}")).unwrap())
+            ["dev", "snmp", "netstat"].map(|f| {
+                std::fs::read_to_string(format!("/proc/thread-self/net/{f}")).unwrap_or_default()
+            })
         });
         let [dev, snmp, netstat] = net;
+        // What each device's queueing discipline dropped.
+        let out = n
+            .cmd("tc")
+            .args(["-s", "-j", "qdisc", "show"])
+            .output()
+            .unwrap();
+        let qdiscs: Vec<serde_json::Value> =
+            serde_json::from_slice(&out.stdout).unwrap_or_default();
+        for q in &qdiscs {
+            if let (Some(dev), Some(d)) = (q["dev"].as_str(), q["drops"].as_u64()) {
+                let kind = q["kind"].as_str().unwrap_or("?");
+                c.push((format!("{who} qdisc {dev} {kind} drops"), d));
+            }
+        }
         // Inter-|   Receive: bytes packets errs drop fifo frame compressed multicast|Transmit:
         // bytes packets errs drop fifo colls carrier compressed
         for line in dev.lines().skip(2) {
@@ -546,6 +561,22 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
                     }
                 }
             }
+        }
+    }
+    // The neighbour tables' counts are the machine's (the file is the first namespace's
+    // only), per CPU, in hex: packets dropped while their neighbour was unresolved.
+    for (table, file) in [("arp", "arp_cache"), ("ndisc", "ndisc_cache")] {
+        let text = std::fs::read_to_string(format!("/proc/net/stat/{file}")).unwrap_or_default();
+        let mut lines = text.lines();
+        let col = lines.next().and_then(|h| {
+            h.split_whitespace()
+                .position(|k| k == "unresolved_discards")
+        });
+        if let Some(col) = col {
+            let sum: u64 = lines
+                .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(col)?, 16).ok())
+                .sum();
+            c.push((format!("{table} unresolved_discards"), sum));
         }
     }
     let softnet = std::fs::read_to_string("/proc/net/softnet_stat").unwrap_or_default();
