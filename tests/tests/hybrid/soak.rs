@@ -98,7 +98,8 @@ fn soak(recv: Recv) {
     eprintln!("{test}: {secs} s, IPOIB_SOAK_SEED={seed}");
     // IPOIB_SOAK_LOG: the control loops' log level (RUST_LOG), for a replay that must say more.
     if let Ok(level) = std::env::var("IPOIB_SOAK_LOG") {
-        // SAFETY: set before any thread of this test starts the control loops that inherit it.
+        // SAFETY: only in a replay (`cargo xtask soak --log`), which runs the soak alone, and
+        // before this test starts a thread or a control loop.
         unsafe { std::env::set_var("RUST_LOG", level) };
     }
     let mut dice = Rng::new(seed);
