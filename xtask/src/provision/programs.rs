@@ -70,6 +70,12 @@ pub const PROGRAMS: &[Program] = &[
         "the stack's drop counters in the hybrid tests",
     ),
     deb(
+        "tc",
+        "iproute2",
+        Host,
+        "the qdiscs' drop counts the soak samples",
+    ),
+    deb(
         "rdma",
         "iproute2",
         Host,
