@@ -95,10 +95,7 @@ pub fn shares_now() -> io::Result<Vec<Share>> {
     if !dir.exists() {
         return Ok(Vec::new());
     }
-    let lock = lock(&dir)?;
-    let v = live_shares(&dir, None)?;
-    drop(lock);
-    Ok(v)
+    read_shares(&dir, None, false)
 }
 
 /// The ledger's lock, held until the returned file is dropped.
@@ -115,9 +112,10 @@ fn lock(dir: &Path) -> io::Result<File> {
     Ok(f)
 }
 
-/// The live shares in `dir` but `except` (under the lock); those of dead processes are
-/// removed.
-fn live_shares(dir: &Path, except: Option<&Path>) -> io::Result<Vec<Share>> {
+/// The live shares in `dir` but `except`. With `prune` (under the lock only) those of dead
+/// processes are removed; without, a reader takes no lock: a share is replaced whole, by a
+/// rename, and a view must not wait on another interface's loop (stopped, say, holding it).
+fn read_shares(dir: &Path, except: Option<&Path>, prune: bool) -> io::Result<Vec<Share>> {
     let mut v = Vec::new();
     for e in std::fs::read_dir(dir)? {
         let path = e?.path();
@@ -129,9 +127,10 @@ fn live_shares(dir: &Path, except: Option<&Path>) -> io::Result<Vec<Share>> {
             .and_then(|b| serde_json::from_slice::<Share>(&b).ok());
         match share {
             Some(s) if Path::new(&format!("/proc/{}", s.pid)).exists() => v.push(s),
-            _ => {
+            _ if prune => {
                 let _ = std::fs::remove_file(&path);
             }
+            _ => {}
         }
     }
     Ok(v)
@@ -168,10 +167,10 @@ impl Ledger {
         Ok(l)
     }
 
-    /// The node's budget and every share in it (this one included), dead ones left out.
+    /// The node's budget and every share in it (this one included), dead ones left out; read
+    /// without the lock (the status, every tick).
     pub fn view(&self) -> io::Result<(u64, Vec<Share>)> {
-        let _lock = self.lock()?;
-        let others = self.others()?;
+        let others = read_shares(&self.dir, Some(&self.path()), false)?;
         let budget = node_budget(self.budget, &others);
         let mut all = others;
         all.push(self.share(*self.held.lock().unwrap()));
@@ -223,9 +222,9 @@ impl Ledger {
         crate::files::replace(&self.path(), &serde_json::to_vec(&self.share(bytes))?)
     }
 
-    /// The other interfaces' live shares (under the lock).
+    /// The other interfaces' live shares, the dead ones' removed (under the lock).
     fn others(&self) -> io::Result<Vec<Share>> {
-        live_shares(&self.dir, Some(&self.path()))
+        read_shares(&self.dir, Some(&self.path()), true)
     }
 
     fn lock(&self) -> io::Result<File> {
@@ -348,6 +347,31 @@ mod tests {
     }
 
     #[test]
+    fn a_view_does_not_wait_for_the_lock() {
+        let d = dir("view");
+        let ib0 = Ledger::join_at(&d, "ib0", 8 * MIB).unwrap();
+        assert!(ib0.try_take(2 * MIB).unwrap());
+        // Another interface's loop holds the lock (stopped, say, in the middle of a take).
+        let held = lock(&d).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dd = d.clone();
+        std::thread::spawn(move || {
+            let ib1 = Ledger {
+                dir: dd,
+                iface: "ib1".into(),
+                budget: 8 * MIB,
+                held: Mutex::new(0),
+            };
+            let _ = tx.send(ib1.view().map(|(_, shares)| shares.len()));
+        });
+        let seen = rx.recv_timeout(std::time::Duration::from_secs(10));
+        drop(held);
+        assert_eq!(seen.expect("the view waited for the lock").unwrap(), 2);
+        drop(ib0);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
     fn a_dead_process_holds_nothing() {
         let d = dir("dead");
         let ib1 = Ledger::join_at(&d, "ib1", 8 * MIB).unwrap();
@@ -357,6 +381,8 @@ mod tests {
             ..share("ib0", 8 * MIB, 8 * MIB)
         };
         std::fs::write(d.join("ib0.json"), serde_json::to_vec(&dead).unwrap()).unwrap();
+        assert_eq!(ib1.view().unwrap().1.len(), 1, "the dead share is not seen");
+        assert!(d.join("ib0.json").exists(), "a view removes nothing");
         assert!(ib1.try_take(8 * MIB).unwrap());
         assert!(!d.join("ib0.json").exists(), "removed by the take");
         drop(ib1);
