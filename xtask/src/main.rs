@@ -163,6 +163,10 @@ enum Cmd {
         /// The control loops' log level (RUST_LOG: info, debug, trace), for a replay.
         #[arg(long, value_parser = ["info", "debug", "trace"])]
         log: Option<String>,
+        /// Pace each stream to MIBS MiB/s, in mode `connected` (under `auto`'s promotion
+        /// rate); unpaced, in mode `auto`, when not given (the streams then take all the CPU).
+        #[arg(long, value_name = "MIBS", value_parser = clap::value_parser!(u64).range(1..))]
+        rate: Option<u64>,
     },
     /// The code's shape: ipoib-ctl's modules import in one direction, no source file over 800
     /// lines outside its tests, README.md under 300 lines.
@@ -239,8 +243,12 @@ fn main() -> Result<()> {
             slow,
             model,
             log,
+            rate,
         } => {
             let mut env = vec![("IPOIB_SOAK_SECS".to_string(), (minutes * 60).to_string())];
+            if let Some(r) = rate {
+                env.push(("IPOIB_SOAK_RATE".into(), r.to_string()));
+            }
             if let Some(s) = seed {
                 env.push(("IPOIB_SOAK_SEED".into(), s.to_string()));
             }

@@ -93,6 +93,17 @@ impl Stream {
 
     /// A stream from `a` to `addr`, one of `b`'s addresses.
     fn start_to(a: &Node, b: &Node, addr: std::net::SocketAddr) -> Self {
+        Self::start_with(a, b, addr, None)
+    }
+
+    /// A stream from `a` to `b` that sends `per_sec` bytes a second at most, in 64 KiB writes
+    /// on a schedule: bulk, without taking all the CPU a slow machine has.
+    fn paced(a: &Node, b: &Node, port: u16, per_sec: u64) -> Self {
+        let addr = std::net::SocketAddr::new(b.ip4.into(), port);
+        Self::start_with(a, b, addr, Some(per_sec))
+    }
+
+    fn start_with(a: &Node, b: &Node, addr: std::net::SocketAddr, per_sec: Option<u64>) -> Self {
         let listener = in_netns(&b.ns, move || TcpListener::bind(addr).expect("listen at B"));
         let received = Arc::new(AtomicU64::new(0));
         let progress = received.clone();
@@ -131,10 +142,20 @@ impl Stream {
                     s.set_write_timeout(Some(Duration::from_secs(60))).unwrap();
                     let p = period();
                     let mut off = 0u64;
+                    let mut next = Instant::now();
                     while !stop.load(Ordering::Relaxed) {
                         let at = (off % p.len() as u64) as usize;
-                        s.write_all(&p[at..]).expect("send the stream");
-                        off += (p.len() - at) as u64;
+                        let end = per_sec.map_or(p.len(), |_| p.len().min(at + (1 << 16)));
+                        s.write_all(&p[at..end]).expect("send the stream");
+                        off += (end - at) as u64;
+                        if let Some(rate) = per_sec {
+                            // The next write is due a write's time after this one was, or
+                            // now if that has passed: a stalled stream does not burst after.
+                            next = (next
+                                + Duration::from_secs_f64((end - at) as f64 / rate as f64))
+                            .max(Instant::now());
+                            std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                        }
                     }
                     off
                 })

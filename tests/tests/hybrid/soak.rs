@@ -10,11 +10,13 @@
 //!
 //! IPOIB_SOAK_SECS sets the length of each receive model's run (90 s by default; `cargo xtask
 //! soak --minutes N` sets it), IPOIB_SOAK_SEED the schedule (printed, so a failure replays),
-//! IPOIB_SOAK_LOG the control loops' RUST_LOG. A loss past the bounds prints, for each burst,
-//! the counters that grew more than usual over it. Not in the suite yet: on the slow machine
-//! it loses more than its bounds (docs/testing.md, "The soak").
+//! IPOIB_SOAK_LOG the control loops' RUST_LOG, IPOIB_SOAK_RATE a pace for the streams. A loss
+//! past the bounds prints, for each burst, the counters that grew more than usual over it:
+//! the engines', the links' and protocols', the kernel's drops by place, and where the control
+//! loops' threads waited. Not in the suite yet: on the slow machine it loses more than its
+//! bounds (docs/testing.md, "The soak").
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, path::Path};
 
 use ipoib_tests::Rng;
 
@@ -28,6 +30,28 @@ const ENGINE_HOLDS: usize = 500 + 128 + 64;
 /// datagram in flight, to after connected mode is back).
 const BEFORE: Duration = Duration::from_secs(1);
 const AFTER: Duration = Duration::from_secs(15);
+
+/// IPOIB_SOAK_RATE: each stream's MiB/s, paced; unset or 0: as fast as each goes (which
+/// takes all the CPU a slow machine has; docs/testing.md, "The soak").
+fn stream_rate() -> u64 {
+    std::env::var("IPOIB_SOAK_RATE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The soak's policy file: `mode=auto`, or for paced streams (under `auto`'s promotion rate)
+/// `mode=connected`, every peer that sends.
+fn policy_file() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ipoib-soak-{}.policy", std::process::id()))
+}
+
+/// `n` attached with the soak's policy and its faults' hooks; its control loop's pid.
+fn attach(lab: &mut Lab, n: &Node, recv: Recv, dev: &str) -> u32 {
+    let policy = policy_file();
+    let policy = policy.to_str().unwrap();
+    attach_node(lab, n, recv, dev, &["--test-faults", "--policy", policy])
+}
 
 #[test]
 #[ignore = "the soak (cargo xtask soak): on the slow machine it loses more than its bounds (issue 36)"]
@@ -102,26 +126,34 @@ fn soak(recv: Recv) {
         // before this test starts a thread or a control loop.
         unsafe { std::env::set_var("RUST_LOG", level) };
     }
+    let rate = stream_rate();
+    let mode = if rate == 0 { "auto" } else { "connected" };
+    std::fs::write(policy_file(), format!("mode={mode}\n")).unwrap();
+    eprintln!("{test}: streams at {rate} MiB/s (0: as fast as each goes), mode={mode}");
     let mut dice = Rng::new(seed);
     let guard = ipoib_tests::cmlab::LinkUp("rxev0".into());
     let nodes = [lab.a.clone(), lab.b.clone(), lab.more[0].clone()];
     let mut pids = [0u32; 3];
     for (i, n) in nodes.iter().enumerate() {
-        pids[i] = attach_node(&mut lab, n, recv, &dev, &["--test-faults"]);
+        pids[i] = attach(&mut lab, n, recv, &dev);
     }
     let [a, b, c] = &nodes;
-    let streams = [
-        Stream::start(a, b, 5401),
-        Stream::start(b, c, 5402),
-        Stream::start(c, a, 5403),
-    ];
+    let stream = |from: &Node, to: &Node, port: u16| match rate {
+        0 => Stream::start(from, to, port),
+        r => Stream::paced(from, to, port, r << 20),
+    };
+    // The counters that can say where a datagram went, in the background all through, from
+    // before the flows start (a loss while they are promoted is judged as well).
+    let sampler = Sampler::start([a.clone(), b.clone()]);
+    let streams = [stream(a, b, 5401), stream(b, c, 5402), stream(c, a, 5403)];
     let drops_before = (udp_rcvbuf_errors(b), tun_tx_dropped(a));
     let udp = PacedUdp::every(a, b, 5404, Duration::from_millis(5));
     for (from, to) in [(a, b), (b, c), (c, a)] {
         from.wait_peer_mode(
             &to.ip4.to_string(),
             PeerModeView::CmUp,
-            Duration::from_secs(30),
+            // On the slow machine a promotion has taken 72 s (a condition, not a clock).
+            Duration::from_secs(120),
         )
         .unwrap_or_else(|| panic!("{} -> {}: not promoted", from.ns, to.ns));
         eprintln!(
@@ -136,8 +168,6 @@ fn soak(recv: Recv) {
     let end = t0 + Duration::from_secs(secs);
     let mut windows: Vec<(Instant, Instant, String)> = Vec::new();
     let mut samples: Vec<(Duration, Held)> = Vec::new();
-    // The counters that can say where a datagram went, in the background all through.
-    let sampler = Sampler::start([a.clone(), b.clone()]);
     let mut next_fault = t0 + Duration::from_secs(within(&mut dice, 5, 30));
     while Instant::now() < end {
         samples.push((t0.elapsed(), held(&nodes, &pids, &dev)));
@@ -178,6 +208,17 @@ fn soak(recv: Recv) {
         }
     }
     let timeline = sampler.finish();
+    // Where the flow's datagrams were last counted: A's UDP sends and B's UDP deliveries (the
+    // flow is their only UDP) against what the test sent and received.
+    let grew = |k: &str| timeline.grew(k).map_or("?".into(), |d| d.to_string());
+    eprintln!(
+        "  UDP flow: sent {}, A's UDP out {}, B's UDP in {} (errors {}), received {}",
+        udp_sent.len(),
+        grew("a UdpOutDatagrams"),
+        grew("b UdpInDatagrams"),
+        grew("b UdpInErrors"),
+        got.len()
+    );
     let losses = udp_losses(&udp_sent, &got, &windows);
     let flatness = flat(&samples);
     lab.teardown();
@@ -292,7 +333,7 @@ fn inflict(
     match fault {
         Fault::Kill9 => {
             lab.kill9(pids[i]);
-            pids[i] = attach_node(lab, n, recv, dev, &["--test-faults"]);
+            pids[i] = attach(lab, n, recv, dev);
             format!("{}: kill -9, started again", n.ns)
         }
         Fault::StopCont => {
@@ -332,8 +373,10 @@ fn inflict(
             format!("{}: engine paused {ms} ms", n.ns)
         }
         Fault::Policy => {
+            // Back to the soak's own mode (its policy file's line).
+            let soak_mode = std::fs::read_to_string(policy_file()).unwrap();
             let (set, back) = if dice.next_u64().is_multiple_of(2) {
-                ("mode=datagram", "mode=auto")
+                ("mode=datagram", soak_mode.trim())
             } else {
                 ("max-connections=1", "max-connections=64")
             };
@@ -356,7 +399,7 @@ fn inflict(
             let out = n.ctl(&["detach", &n.iface]).unwrap();
             assert!(out.status.success(), "detach: {out:?}");
             std::thread::sleep(Duration::from_secs(within(dice, 1, 5)));
-            pids[i] = attach_node(lab, n, recv, dev, &["--test-faults"]);
+            pids[i] = attach(lab, n, recv, dev);
             format!("{}: detached, attached again", n.ns)
         }
     }
@@ -519,31 +562,18 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
                 c.push((format!("{who} qdisc {dev} {kind} drops"), d));
             }
         }
-        // Inter-|   Receive: bytes packets errs drop fifo frame compressed multicast|Transmit:
-        // bytes packets errs drop fifo colls carrier compressed
-        for line in dev.lines().skip(2) {
-            let Some((name, v)) = line.split_once(':') else {
-                continue;
-            };
-            let v: Vec<u64> = v
-                .split_whitespace()
-                .filter_map(|x| x.parse().ok())
-                .collect();
-            for (i, k) in [
-                (2, "rx_errs"),
-                (3, "rx_drop"),
-                (4, "rx_fifo"),
-                (10, "tx_errs"),
-                (11, "tx_drop"),
-            ] {
-                if let Some(x) = v.get(i) {
-                    c.push((format!("{who} link {} {k}", name.trim()), *x));
-                }
-            }
-        }
+        link_drops(&who, &dev, &mut c);
         // "Proto: Name Name ...", then "Proto: value value ...".
         let telling = [
-            "Drop", "Err", "Discard", "Fail", "Overflow", "Prune", "NoPorts",
+            "Drop",
+            "Err",
+            "Discard",
+            "Fail",
+            "Overflow",
+            "Prune",
+            "NoPorts",
+            "Filter",
+            "Datagrams",
         ];
         for text in [snmp, netstat] {
             let lines: Vec<&str> = text.lines().collect();
@@ -564,6 +594,10 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
             }
         }
     }
+    // The bridge's ports, in the initial namespace: a veth whose peer runs XDP drops there
+    // what its peer's ring has no room for.
+    let host = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap_or_default();
+    link_drops("host", &host, &mut c);
     // The neighbour tables' counts are the machine's (the file is the first namespace's
     // only), per CPU, in hex: packets dropped while their neighbour was unresolved.
     for (table, file) in [("arp", "arp_cache"), ("ndisc", "ndisc_cache")] {
@@ -589,6 +623,130 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
         c.push((format!("softnet {k}"), sum));
     }
     c
+}
+
+/// The kernel's packet drops (the `skb:kfree_skb` trace event, counted in the kernel by a
+/// histogram trigger) by protocol, place and reason, sampled every 100 ms until `stop`: what
+/// no device or protocol counter says.
+fn kernel_drops(stop: &AtomicBool) -> Timeline {
+    let (mut t, begun) = (Timeline::default(), Instant::now());
+    let dir = Path::new("/sys/kernel/tracing");
+    if !dir.join("events").exists() {
+        let _ = std::process::Command::new("mount")
+            .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
+            .status();
+    }
+    let event = dir.join("events/skb/kfree_skb");
+    let hist = "hist:keys=protocol,location.sym,reason:size=4096";
+    if std::fs::write(event.join("trigger"), hist).is_err() {
+        eprintln!("soak: no skb:kfree_skb histogram here; the kernel's drops are not sampled");
+        return t;
+    }
+    while !stop.load(Ordering::Relaxed) {
+        let text = std::fs::read_to_string(event.join("hist")).unwrap_or_default();
+        let now = Instant::now();
+        // "{ protocol: 2048, location: [ffffffff8a2b3c4d] ip_rcv_finish, reason: 2 } hitcount: 5"
+        for line in text.lines() {
+            let (Some((key, n)), true) = (line.split_once("} hitcount:"), line.starts_with('{'))
+            else {
+                continue;
+            };
+            let key: String = key
+                .trim_start_matches('{')
+                .split(',')
+                .map(|f| {
+                    let v = f.split_once(':').map_or(f, |(_, v)| v).trim();
+                    v.rsplit_once("] ").map_or(v, |(_, sym)| sym).to_string()
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            let Ok(n) = n.trim().parse::<u64>() else {
+                continue;
+            };
+            let series =
+                t.0.entry(format!("kernel drop {key}"))
+                    .or_insert_with(|| vec![(begun, 0)]);
+            series.push((now, n));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = std::fs::write(event.join("trigger"), format!("!{hist}"));
+    t
+}
+
+/// Counts, in `seen`, where each thread of `n`'s control loop process waits in the kernel now
+/// (`wchan`), unless in its usual idle waits: "a ipoib-ctl in rtnl_lock" says what held a
+/// loop that fell silent.
+fn waits(n: &Node, seen: &mut HashMap<String, u64>) {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(ns) = std::fs::metadata(format!("/run/netns/{}", n.ns)) else {
+        return;
+    };
+    let net = format!("net:[{}]", ns.ino());
+    let idle = [
+        "0",
+        "do_epoll_wait",
+        "ep_poll",
+        "futex_wait_queue",
+        "futex_wait_queue_me",
+        "hrtimer_nanosleep",
+        "do_nanosleep",
+        "wait_woken",
+    ];
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let dir = p.path();
+        let ours = std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.trim() == "ipoib-ctl")
+            && std::fs::read_link(dir.join("ns/net")).is_ok_and(|l| l.to_string_lossy() == net);
+        if !ours {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(dir.join("task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+            let (wchan, comm) = (read("wchan"), read("comm"));
+            let state = read("stat")
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().next().map(str::to_string))
+                .unwrap_or_default();
+            let wchan = wchan.trim();
+            if !idle.contains(&wchan) || state == "R" {
+                *seen
+                    .entry(format!("{} {} {state} in {wchan}", who(n), comm.trim()))
+                    .or_default() += 1;
+            }
+        }
+    }
+}
+
+/// The drops and errors of each link in `dev` (a /proc/net/dev), named after `who`.
+fn link_drops(who: &str, dev: &str, c: &mut Vec<(String, u64)>) {
+    // Inter-|   Receive: bytes packets errs drop fifo frame compressed multicast|Transmit:
+    // bytes packets errs drop fifo colls carrier compressed
+    for line in dev.lines().skip(2) {
+        let Some((name, v)) = line.split_once(':') else {
+            continue;
+        };
+        let v: Vec<u64> = v
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        for (i, k) in [
+            (2, "rx_errs"),
+            (3, "rx_drop"),
+            (4, "rx_fifo"),
+            (10, "tx_errs"),
+            (11, "tx_drop"),
+        ] {
+            if let Some(x) = v.get(i) {
+                c.push((format!("{who} link {} {k}", name.trim()), *x));
+            }
+        }
+    }
 }
 
 /// The lost datagrams' send times grouped in bursts (a gap of 100 ms or more starts the next):
@@ -622,7 +780,7 @@ impl Sampler {
             (counters, Duration::from_millis(500)),
             (reasons, Duration::from_secs(2)),
         ];
-        let threads = every
+        let mut threads: Vec<_> = every
             .into_iter()
             .map(|(read, period)| {
                 let (stop, nodes) = (stop.clone(), nodes.clone());
@@ -636,6 +794,30 @@ impl Sampler {
                 })
             })
             .collect();
+        threads.push(std::thread::spawn({
+            let stop = stop.clone();
+            move || kernel_drops(&stop)
+        }));
+        threads.push(std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                let (mut t, begun) = (Timeline::default(), Instant::now());
+                let mut seen = HashMap::new();
+                while !stop.load(Ordering::Relaxed) {
+                    for n in &nodes {
+                        waits(n, &mut seen);
+                    }
+                    let now = Instant::now();
+                    for (k, v) in &seen {
+                        // A wait first seen now was seen 0 times before.
+                        let series = t.0.entry(k.clone()).or_insert_with(|| vec![(begun, 0)]);
+                        series.push((now, *v));
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                t
+            }
+        }));
         Self { stop, threads }
     }
 
@@ -659,6 +841,12 @@ impl Timeline {
         for (k, v) in counts {
             self.0.entry(k).or_default().push((now, v));
         }
+    }
+
+    /// How much `k` grew from its first sample to its last.
+    fn grew(&self, k: &str) -> Option<u64> {
+        let s = self.0.get(k)?;
+        Some(s.last()?.1.saturating_sub(s.first()?.1))
     }
 
     /// The counters that grew more from their sample before `first` to their sample after
