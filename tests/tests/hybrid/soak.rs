@@ -594,10 +594,6 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
             }
         }
     }
-    // The bridge's ports, in the initial namespace: a veth whose peer runs XDP drops there
-    // what its peer's ring has no room for.
-    let host = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap_or_default();
-    link_drops("host", &host, &mut c);
     // The neighbour tables' counts are the machine's (the file is the first namespace's
     // only), per CPU, in hex: packets dropped while their neighbour was unresolved.
     for (table, file) in [("arp", "arp_cache"), ("ndisc", "ndisc_cache")] {
