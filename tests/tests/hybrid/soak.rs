@@ -670,9 +670,9 @@ fn kernel_drops(stop: &AtomicBool) -> Timeline {
     t
 }
 
-/// Counts, in `seen`, where each thread of `n`'s control loop process waits in the kernel now
-/// (`wchan`), unless in its usual idle waits: "a ipoib-ctl in rtnl_lock" says what held a
-/// loop that fell silent.
+/// Counts, in `seen`, each thread of `n`'s control loop process that runs now or waits in the
+/// kernel (`wchan`) outside its usual idle waits, by state: "a ipoib-ctl D in rtnl_lock" would
+/// say what held a loop that fell silent, "R" counts turns spent running or waiting for a CPU.
 fn waits(n: &Node, seen: &mut HashMap<String, u64>) {
     use std::os::unix::fs::MetadataExt as _;
     let Ok(ns) = std::fs::metadata(format!("/run/netns/{}", n.ns)) else {
