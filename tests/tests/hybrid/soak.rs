@@ -40,8 +40,17 @@ fn stream_rate() -> u64 {
         .unwrap_or(0)
 }
 
-/// The soak's policy file: `mode=auto`, or for paced streams (under `auto`'s promotion rate)
-/// `mode=connected`, every peer that sends.
+/// The soak's mode: `auto`, or for paced streams (under `auto`'s promotion rate) `connected`,
+/// every peer that sends.
+fn soak_mode() -> &'static str {
+    if stream_rate() == 0 {
+        "mode=auto"
+    } else {
+        "mode=connected"
+    }
+}
+
+/// The soak's policy file: its one line, [`soak_mode`].
 fn policy_file() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ipoib-soak-{}.policy", std::process::id()))
 }
@@ -127,9 +136,11 @@ fn soak(recv: Recv) {
         unsafe { std::env::set_var("RUST_LOG", level) };
     }
     let rate = stream_rate();
-    let mode = if rate == 0 { "auto" } else { "connected" };
-    std::fs::write(policy_file(), format!("mode={mode}\n")).unwrap();
-    eprintln!("{test}: streams at {rate} MiB/s (0: as fast as each goes), mode={mode}");
+    std::fs::write(policy_file(), format!("{}\n", soak_mode())).unwrap();
+    eprintln!(
+        "{test}: streams at {rate} MiB/s (0: as fast as each goes), {}",
+        soak_mode()
+    );
     let mut dice = Rng::new(seed);
     let guard = ipoib_tests::cmlab::LinkUp("rxev0".into());
     let nodes = [lab.a.clone(), lab.b.clone(), lab.more[0].clone()];
@@ -146,7 +157,6 @@ fn soak(recv: Recv) {
     // before the flows start (a loss while they are promoted is judged as well).
     let sampler = Sampler::start([a.clone(), b.clone()]);
     let streams = [stream(a, b, 5401), stream(b, c, 5402), stream(c, a, 5403)];
-    let drops_before = (udp_rcvbuf_errors(b), tun_tx_dropped(a));
     let udp = PacedUdp::every(a, b, 5404, Duration::from_millis(5));
     for (from, to) in [(a, b), (b, c), (c, a)] {
         from.wait_peer_mode(
@@ -194,14 +204,6 @@ fn soak(recv: Recv) {
         got.len(),
         udp_sent.len()
     );
-    // Where else a datagram can go under load, counted by the kernel: B's socket buffer
-    // full, A's engine TUN queue full (printed for the loss analysis, not judged).
-    eprintln!(
-        "  kernel drops meanwhile: B's UDP receive buffer {}, A's engine TUN queue {} (both \
-         flows and streams)",
-        udp_rcvbuf_errors(b).saturating_sub(drops_before.0),
-        tun_tx_dropped(a).saturating_sub(drops_before.1)
-    );
     for n in [a, b] {
         if let Ok(Some(cm)) = n.cm() {
             eprintln!("  {}'s engine: {:?}", n.ns, cm.engine);
@@ -211,6 +213,14 @@ fn soak(recv: Recv) {
     // Where the flow's datagrams were last counted: A's UDP sends and B's UDP deliveries (the
     // flow is their only UDP) against what the test sent and received.
     let grew = |k: &str| timeline.grew(k).map_or("?".into(), |d| d.to_string());
+    // Where else a datagram can go under load, counted by the kernel: B's socket buffer
+    // full, A's engine TUN queue full (printed for the loss analysis, not judged).
+    eprintln!(
+        "  kernel drops meanwhile: B's UDP receive buffer {}, A's engine TUN queue {} (both \
+         flows and streams)",
+        grew("b UdpRcvbufErrors"),
+        grew(&format!("a link {}cm tx_drop", a.iface))
+    );
     eprintln!(
         "  UDP flow: sent {}, A's UDP out {}, B's UDP in {} (errors {}), received {}",
         udp_sent.len(),
@@ -373,10 +383,8 @@ fn inflict(
             format!("{}: engine paused {ms} ms", n.ns)
         }
         Fault::Policy => {
-            // Back to the soak's own mode (its policy file's line).
-            let soak_mode = std::fs::read_to_string(policy_file()).unwrap();
             let (set, back) = if dice.next_u64().is_multiple_of(2) {
-                ("mode=datagram", soak_mode.trim())
+                ("mode=datagram", soak_mode())
             } else {
                 ("max-connections=1", "max-connections=64")
             };
@@ -490,35 +498,6 @@ fn time_of_day(t: std::time::SystemTime) -> String {
         s % 60,
         ms % 1000
     )
-}
-
-/// `n`'s UdpRcvbufErrors (datagrams dropped because a socket's buffer was full).
-fn udp_rcvbuf_errors(n: &Node) -> u64 {
-    let out = n
-        .cmd("nstat")
-        .args(["-az", "UdpRcvbufErrors"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("UdpRcvbufErrors"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// Packets `n`'s engine TUN device dropped on transmit (its queue full), 0 without one.
-fn tun_tx_dropped(n: &Node) -> u64 {
-    let out = n
-        .cmd("ip")
-        .args(["-s", "-j", "link", "show"])
-        .output()
-        .unwrap();
-    let links: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    links
-        .iter()
-        .filter(|l| l["ifname"].as_str().is_some_and(|i| i.ends_with("cm")))
-        .filter_map(|l| l["stats64"]["tx"]["dropped"].as_u64())
-        .sum()
 }
 
 /// The last letter of a node's namespace: a, b or c.
@@ -659,10 +638,7 @@ fn kernel_drops(stop: &AtomicBool) -> Timeline {
             let Ok(n) = n.trim().parse::<u64>() else {
                 continue;
             };
-            let series =
-                t.0.entry(format!("kernel drop {key}"))
-                    .or_insert_with(|| vec![(begun, 0)]);
-            series.push((now, n));
+            t.record_since(begun, now, [(format!("kernel drop {key}"), n)]);
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -803,12 +779,7 @@ impl Sampler {
                     for n in &nodes {
                         waits(n, &mut seen);
                     }
-                    let now = Instant::now();
-                    for (k, v) in &seen {
-                        // A wait first seen now was seen 0 times before.
-                        let series = t.0.entry(k.clone()).or_insert_with(|| vec![(begun, 0)]);
-                        series.push((now, *v));
-                    }
+                    t.record_since(begun, Instant::now(), seen.clone());
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 t
@@ -836,6 +807,19 @@ impl Timeline {
         let now = Instant::now();
         for (k, v) in counts {
             self.0.entry(k).or_default().push((now, v));
+        }
+    }
+
+    /// Counts kept since `begun` (a count first seen now was 0 then), sampled at `now`.
+    fn record_since(
+        &mut self,
+        begun: Instant,
+        now: Instant,
+        counts: impl IntoIterator<Item = (String, u64)>,
+    ) {
+        for (k, v) in counts {
+            let series = self.0.entry(k).or_insert_with(|| vec![(begun, 0)]);
+            series.push((now, v));
         }
     }
 
