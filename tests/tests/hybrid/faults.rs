@@ -32,8 +32,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5302);
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12))
-        .expect("promoted");
+    cm_up_within(&a, &b, PROMOTION, "promoted");
 
     lab.kill9(pid_b);
     let t = Instant::now();
@@ -66,9 +65,12 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
 /// stream, both A -> B on CM, then started again. Its TUN device dies with it: the fast path
 /// sends the flows UD at once (the device is gone: `tx_ud_cm_device_gone`), not after the
 /// heartbeat deadline. Lost: at most what was inside the engine when it died (the TUN queue of
-/// 500 packets, the connection's backlog of 128 and its 64 sends in flight), and no half
-/// second passes without a datagram or a byte of the stream, for the kill or the restart
-/// (which adopts the pins, resets the stale CM entries and promotes B again).
+/// 500 packets, the connection's backlog of 128 and its 64 sends in flight), and neither flow
+/// waits for the deadline, at the kill or the restart (which adopts the pins, resets the stale
+/// CM entries and promotes B again). The deadline is 10 s here, so that waiting for it (at
+/// least 10 s) and what the flows do wait for stay apart on any machine: the lost queue's
+/// sojourn (the datagrams) and TCP's retransmission timeout after it (the stream), both of
+/// which grow with the machine's slowness.
 #[test]
 fn the_nodes_own_crash_and_restart_stall_no_flow() {
     let test = "the_nodes_own_crash_and_restart_stall_no_flow";
@@ -76,15 +78,16 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyc", 2) else {
         return;
     };
-    let pid_a = attach(&mut lab, Which::A, recv, &dev, &[]);
+    let deadline = Duration::from_secs(10);
+    let policy = PolicyFile::new("hyc", "heartbeat-timeout=10s\n");
+    let a_args = ["--policy", policy.arg()];
+    let pid_a = attach(&mut lab, Which::A, recv, &dev, &a_args);
     attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let udp = PacedUdp::start(&a, &b, 5340);
     let stream = Stream::start(&a, &b, 5341);
-    let on_cm = a
-        .wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
-        .expect("promoted");
+    let on_cm = cm_up_within(&a, &b, PROMOTION, "promoted");
     // Both flows on CM: the datagrams are counted there too.
     std::thread::sleep(Duration::from_secs(2));
     let before = a.peer(&b_ip).unwrap().unwrap();
@@ -119,9 +122,8 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     let after_restart = sample_while(
         || stream.received(),
         || {
-            attach(&mut lab, Which::A, recv, &dev, &[]);
-            a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
-                .expect("promoted again after the restart");
+            attach(&mut lab, Which::A, recv, &dev, &a_args);
+            cm_up_within(&a, &b, PROMOTION, "promoted again after the restart");
             up_again = restarted.elapsed();
             std::thread::sleep(Duration::from_secs(2));
         },
@@ -161,26 +163,16 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     at.sort_unstable();
     let gap_kill = longest_gap(&at, killed, restarted);
     let gap_restart = longest_gap(&at, restarted, ended);
-    let (idle_kill, idle_restart) = (
-        idle_half_seconds(&after_kill),
-        idle_half_seconds(&after_restart),
-    );
-    // The idle windows overlap: their span says it.
-    let span = |w: &[(Duration, Duration)]| match (w.first(), w.last()) {
-        (Some(f), Some(l)) => format!("{} from {:.1?} to {:.1?}", w.len(), f.0, l.1),
-        _ => "none".to_string(),
-    };
+    let (idle_kill, idle_restart) = (longest_idle(&after_kill), longest_idle(&after_restart));
     eprintln!(
         "kill -9: B's entry left {left}, UDP longest gap {gap_kill:.2?}, {gone} packets sent UD \
          for the gone device; \
          restart: UDP longest gap {gap_restart:.2?} (restart to CM again {:.1?}); \
          {lost} of {sent} datagrams lost, {lost_at_kill} of them due within 0.5 s before and 1 s \
-         after the kill; TCP {} MiB, idle half-seconds after the kill: {}, \
-         after the restart: {}",
+         after the kill; TCP {} MiB, longest idle after the kill {idle_kill:.2?}, \
+         after the restart {idle_restart:.2?} (sampled every 100 ms)",
         ended - restarted - Duration::from_secs(2),
         total >> 20,
-        span(&idle_kill),
-        span(&idle_restart)
     );
     if left == PeerModeView::CmUp {
         assert!(gone > 0, "no packet met the gone device's check");
@@ -189,17 +181,18 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         lost_at_kill <= 500 + 128 + 64,
         "{lost_at_kill} datagrams lost at the kill: more than the engine could hold"
     );
-    for (what, gap) in [("kill", gap_kill), ("restart", gap_restart)] {
+    for (flow, what, gap) in [
+        ("UDP flow", "kill", gap_kill),
+        ("UDP flow", "restart", gap_restart),
+        ("stream", "kill", idle_kill),
+        ("stream", "restart", idle_restart),
+    ] {
         assert!(
-            gap < Duration::from_millis(500),
-            "the UDP flow stalled {gap:?} after the {what}"
+            gap < deadline / 2,
+            "the {flow} stalled {gap:?} after the {what}: as if it waited for the heartbeat \
+             deadline ({deadline:?})"
         );
     }
-    assert!(idle_kill.is_empty(), "the stream stalled after the kill");
-    assert!(
-        idle_restart.is_empty(),
-        "the stream stalled after the restart"
-    );
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
 }
@@ -466,8 +459,7 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
         t.elapsed()
     );
     assert_eq!(a.status().unwrap().cm_down, None, "said down while it runs");
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
-        .expect("promoted once the port is up");
+    cm_up_within(&a, &b, PROMOTION, "promoted once the port is up");
     let (starts_a, starts_b) = (starts(&a), starts(&b));
     assert_eq!((starts_a, starts_b), (1, 1), "A:\n{}", ctl_log(&a));
 
@@ -709,8 +701,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         Recv::Rings => assert_eq!((rx.depth, rx.max_rings), (64, 4), "{rx:?}"),
     }
     let stream = Stream::start(&a, &b, 5305);
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(12))
-        .expect("promoted");
+    cm_up_within(&a, &b, PROMOTION, "promoted");
     std::thread::sleep(Duration::from_secs(2));
 
     let resume = Cont(pid_b);

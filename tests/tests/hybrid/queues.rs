@@ -203,8 +203,7 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
     let generation = || a.peer(&b_ip).unwrap().map_or(0, |p| p.generation);
     let gen_before = generation();
     let streams: Vec<Stream> = (0..4).map(|i| Stream::start(&a, &b, 5320 + i)).collect();
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
-        .expect("promoted");
+    cm_up_within(&a, &b, PROMOTION, "promoted");
     // Big packets sent UD because the peer is not CM_UP (the fast path's reason counter):
     // from here on, only the overflow makes any.
     let not_up = |s: &Status| reason(s, "tx_ud_peer_not_up");
@@ -297,8 +296,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5340);
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
-        .expect("promoted");
+    cm_up_within(&a, &b, PROMOTION, "promoted");
     std::thread::sleep(Duration::from_secs(2));
     let before = cm_of(&a);
     // Every write of B's entry in A's peer map bumps its generation: UD and back is two.

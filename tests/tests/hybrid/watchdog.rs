@@ -41,8 +41,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, port);
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
-        .expect("promoted");
+    cm_up_within(&a, &b, PROMOTION, "promoted");
     for n in [&a, &b] {
         let cm = cm_of(n);
         assert_eq!(cm.engine_lanes, lanes, "{}: {cm:#?}", n.ns);
@@ -142,10 +141,8 @@ fn a_node_whose_handshake_listener_dies_starts_connected_mode_again() {
     lab.attach(Which::B, &["--cm-device", &dev, "--test-faults"])
         .unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
-    let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5334);
-    a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
-        .expect("promoted");
+    cm_up_within(&a, &b, PROMOTION, "promoted");
     std::fs::write(format!("/run/ipoib-ctl/{}.fault", b.iface), "listener").unwrap();
     let stopped = wait_until(Duration::from_secs(10), || {
         ctl_log(&b).contains("the handshake listener stopped")
