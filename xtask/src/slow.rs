@@ -138,6 +138,24 @@ fn write(path: &Path, value: &str) -> Result<()> {
     std::fs::write(path, value).with_context(|| format!("writing {value} to {}", path.display()))
 }
 
+/// How long this machine takes for a fixed piece of work on one CPU (xtask's own arithmetic,
+/// about a second): printed beside a run's times, so that a slower run can be told from a
+/// slower machine.
+pub fn workload() -> Duration {
+    let t = std::time::Instant::now();
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    for _ in 0..WORKLOAD_STEPS {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x = std::hint::black_box(x);
+    }
+    t.elapsed()
+}
+
+/// The steps of [`workload`].
+const WORKLOAD_STEPS: u32 = 100_000_000;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -152,6 +152,7 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
     let bins = test_binaries(root, &targets)?;
     let names: Vec<&str> = bins.iter().map(|(n, _)| n.as_str()).collect();
     let mut seen = Progress::new(&names);
+    let work = crate::slow::workload();
     let t0 = Instant::now();
     // What each test prints shows as it runs, a failure's message too: a binary killed at
     // its timeout would take captured output with it.
@@ -213,6 +214,11 @@ pub fn test(root: &Path, r: &Run) -> Result<()> {
         r => r.context("tests failed inside the VM"),
     };
     print!("{}", seen.report(t0.elapsed(), cap.as_ref()));
+    println!(
+        "==> this machine took {} ms for xtask's fixed workload on one CPU before the run \
+         (larger is slower; docs/testing.md has earlier machines')",
+        work.as_millis()
+    );
     result?;
     println!("==> VM tests passed");
     Ok(())
