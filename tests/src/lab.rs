@@ -77,6 +77,12 @@ fn ip(args: &[&str]) -> Result<String> {
 }
 
 impl Node {
+    /// The bridge's end of this node's veth in a star lab ([`Lab::star`]), in the initial
+    /// namespace.
+    pub fn switch_port(&self) -> String {
+        format!("{}h", self.iface.trim_end_matches('0'))
+    }
+
     /// The `ipoib-ctl` this node runs.
     pub fn ctl_exe(&self) -> PathBuf {
         self.ctl_exe.clone().unwrap_or_else(ctl_path)
@@ -510,7 +516,7 @@ pub fn process_state(pid: u32) -> String {
 
 /// The bridge's end of a star node's veth.
 fn host_port(n: &Node) -> String {
-    format!("{}h", n.iface.trim_end_matches('0'))
+    n.switch_port()
 }
 
 fn lab_mac(n: &Node) -> Result<String> {

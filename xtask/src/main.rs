@@ -167,6 +167,10 @@ enum Cmd {
         /// rate); unpaced, in mode `auto`, when not given (the streams then take all the CPU).
         #[arg(long, value_name = "MIBS", value_parser = clap::value_parser!(u64).range(1..))]
         rate: Option<u64>,
+        /// Where the nodes' receive programs run (`attach --ingress`): auto is XDP on the
+        /// lab's veths; tc is the hook they have on IPoIB.
+        #[arg(long, value_parser = ["auto", "xdp", "tc"])]
+        ingress: Option<String>,
     },
     /// The code's shape: ipoib-ctl's modules import in one direction, no source file over 800
     /// lines outside its tests, README.md under 300 lines.
@@ -244,6 +248,7 @@ fn main() -> Result<()> {
             model,
             log,
             rate,
+            ingress,
         } => {
             let mut env = vec![("IPOIB_SOAK_SECS".to_string(), (minutes * 60).to_string())];
             if let Some(r) = rate {
@@ -254,6 +259,9 @@ fn main() -> Result<()> {
             }
             if let Some(l) = log {
                 env.push(("IPOIB_SOAK_LOG".into(), l));
+            }
+            if let Some(i) = ingress {
+                env.push(("IPOIB_SOAK_INGRESS".into(), i));
             }
             vm::test(
                 &root,

@@ -10,11 +10,12 @@
 //!
 //! IPOIB_SOAK_SECS sets the length of each receive model's run (90 s by default; `cargo xtask
 //! soak --minutes N` sets it), IPOIB_SOAK_SEED the schedule (printed, so a failure replays),
-//! IPOIB_SOAK_LOG the control loops' RUST_LOG, IPOIB_SOAK_RATE a pace for the streams. A loss
-//! past the bounds prints, for each burst, the counters that grew more than usual over it:
-//! the engines', the links' and protocols', the kernel's drops by place, and where the control
-//! loops' threads waited. Not in the suite yet: on the slow machine it loses more than its
-//! bounds (docs/testing.md, "The soak").
+//! IPOIB_SOAK_LOG the control loops' RUST_LOG, IPOIB_SOAK_RATE a pace for the streams,
+//! IPOIB_SOAK_INGRESS the receive programs' hook. A loss past the bounds prints, for each
+//! burst, the counters that grew more than usual over it: the engines', the links' and
+//! protocols', the kernel's drops by place, and where the control loops' threads waited. Not
+//! in the suite yet: on the slow machine it loses more than its bounds (docs/testing.md, "The
+//! soak").
 
 use std::{collections::BTreeMap, path::Path};
 
@@ -55,11 +56,19 @@ fn policy_file() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ipoib-soak-{}.policy", std::process::id()))
 }
 
+/// IPOIB_SOAK_INGRESS: where the nodes' receive programs run (`attach --ingress`: xdp, the
+/// default on the lab's veths, or tc, as on IPoIB).
+fn ingress() -> String {
+    std::env::var("IPOIB_SOAK_INGRESS").unwrap_or_else(|_| "auto".into())
+}
+
 /// `n` attached with the soak's policy and its faults' hooks; its control loop's pid.
 fn attach(lab: &mut Lab, n: &Node, recv: Recv, dev: &str) -> u32 {
     let policy = policy_file();
     let policy = policy.to_str().unwrap();
-    attach_node(lab, n, recv, dev, &["--test-faults", "--policy", policy])
+    let ingress = ingress();
+    let args = ["--test-faults", "--policy", policy, "--ingress", &ingress];
+    attach_node(lab, n, recv, dev, &args)
 }
 
 #[test]
@@ -220,6 +229,11 @@ fn soak(recv: Recv) {
          flows and streams)",
         grew("b UdpRcvbufErrors"),
         grew(&format!("a link {}cm tx_drop", a.iface))
+    );
+    eprintln!(
+        "  the switch's port to B dropped {} packets (its veth to B's ring full), to A {}",
+        grew(&format!("switch link {} tx_drop", b.switch_port())),
+        grew(&format!("switch link {} tx_drop", a.switch_port())),
     );
     eprintln!(
         "  UDP flow: sent {}, A's UDP out {}, B's UDP in {} (errors {}), received {}",
@@ -573,6 +587,10 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
             }
         }
     }
+    // The switch: the bridge and its ports, in the test's own namespace. A port's tx_drop
+    // counts what its veth could not put in the node's ring (256 packets, with XDP there).
+    let switch = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap_or_default();
+    link_drops("switch", &switch, &mut c);
     // The neighbour tables' counts are the machine's (the file is the first namespace's
     // only), per CPU, in hex: packets dropped while their neighbour was unresolved.
     for (table, file) in [("arp", "arp_cache"), ("ndisc", "ndisc_cache")] {
