@@ -15,7 +15,7 @@
 //! (ibv_post_send, ibv_post_srq_recv, ibv_poll_cq, ibv_req_notify_cq) have no symbol to
 //! bind: they dispatch through the context's ops table, as libibverbs itself does.
 
-use std::{ffi::CStr, io, ptr};
+use std::{ffi::CStr, io};
 
 use ibverbs_sys as ffi;
 use serde::Serialize;
@@ -187,12 +187,7 @@ pub fn discover() -> Result<Vec<DeviceCaps>, VerbsError> {
 }
 
 fn device_caps(ctx: &Device) -> Result<DeviceCaps, VerbsError> {
-    let mut attr = ffi::ibv_device_attr::default();
-    // SAFETY: valid context and out pointer.
-    let rc = unsafe { ffi::ibv_query_device(ctx.raw(), &mut attr) };
-    if rc != 0 {
-        return Err(ctx.err("ibv_query_device", io::Error::from_raw_os_error(rc)));
-    }
+    let attr = ctx.query_device()?;
     // SAFETY: fw_ver is a NUL-terminated char array.
     let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }
         .to_string_lossy()
@@ -223,25 +218,13 @@ fn device_caps(ctx: &Device) -> Result<DeviceCaps, VerbsError> {
 }
 
 fn port_caps(ctx: &Device, port: u8) -> Result<PortCaps, VerbsError> {
-    let mut pa = ffi::ibv_port_attr::default();
-    // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
-    let rc = unsafe { ffi::ibv_query_port(ctx.raw(), port, ptr::addr_of_mut!(pa).cast()) };
-    if rc != 0 {
-        return Err(ctx.err("ibv_query_port", io::Error::from_raw_os_error(rc)));
-    }
-    let mut gids = Vec::new();
-    for idx in 0..pa.gid_tbl_len.max(0) {
-        let mut gid = ffi::ibv_gid { raw: [0; 16] };
-        // SAFETY: valid context, index within the table, out pointer.
-        if unsafe { ffi::ibv_query_gid(ctx.raw(), port, idx, &mut gid) } != 0 {
-            continue;
-        }
-        // SAFETY: raw is the union's plain-bytes view.
-        let raw = unsafe { gid.raw };
-        if raw != [0; 16] {
-            gids.push(gid_string(&raw));
-        }
-    }
+    let pa = ctx.port_attr(port)?;
+    // An entry that cannot be read is left out of the list, not an error: the list informs.
+    let gids = (0..pa.gid_tbl_len.max(0))
+        .filter_map(|idx| ctx.gid(port, idx).ok())
+        .filter(|raw| *raw != [0; 16])
+        .map(|raw| gid_string(&raw))
+        .collect();
     Ok(PortCaps {
         port,
         state: port_state(pa.state),

@@ -110,6 +110,27 @@ fn discovery_matches_ibv_devinfo() {
         state.contains(port["state"].as_str().unwrap()),
         "state {state} vs {port}"
     );
+    // The GIDs that are set, one per table entry, as ibv_devinfo lists them
+    // (`GID[  0]: fe80::..., RoCE v2`).
+    let gid = |s: &str| -> std::net::Ipv6Addr {
+        let addr = s.split(',').next().unwrap_or_default().trim();
+        addr.parse().unwrap_or_else(|e| panic!("a GID: `{s}`: {e}"))
+    };
+    let mut theirs: Vec<_> = p
+        .iter()
+        .filter(|(k, _)| k.starts_with("GID["))
+        .map(|(_, v)| gid(v))
+        .collect();
+    let mut listed: Vec<_> = port["gids"]
+        .as_array()
+        .expect("gids")
+        .iter()
+        .map(|g| gid(g.as_str().unwrap()))
+        .collect();
+    theirs.sort_unstable();
+    listed.sort_unstable();
+    assert!(!listed.is_empty(), "no GID listed: {port}");
+    assert_eq!(listed, theirs, "the port's GIDs");
     // soft-RoCE has an SRQ: the plan uses it and stays inside its budget.
     let plan = &ours["plan"];
     assert_eq!(plan["kind"], "srq");

@@ -118,7 +118,7 @@ impl Device {
     }
 
     /// The port's attributes: one ibv_query_port, which each question below asks once.
-    fn port_attr(&self, port: u8) -> Result<ffi::ibv_port_attr, VerbsError> {
+    pub(super) fn port_attr(&self, port: u8) -> Result<ffi::ibv_port_attr, VerbsError> {
         let mut pa = ffi::ibv_port_attr::default();
         // SAFETY: valid context; the compat symbol takes the full struct, as ibverbs does.
         let rc = unsafe { ffi::ibv_query_port(self.ctx.ctx, port, ptr::addr_of_mut!(pa).cast()) };
@@ -127,10 +127,10 @@ impl Device {
     }
 
     /// The GID at `index` of the port's table (all zero where none is set).
-    fn gid(&self, port: u8, index: u8) -> Result<[u8; 16], VerbsError> {
+    pub(super) fn gid(&self, port: u8, index: i32) -> Result<[u8; 16], VerbsError> {
         let mut gid = ffi::ibv_gid { raw: [0; 16] };
         // SAFETY: valid context and out pointer.
-        let rc = unsafe { ffi::ibv_query_gid(self.ctx.ctx, port, i32::from(index), &mut gid) };
+        let rc = unsafe { ffi::ibv_query_gid(self.ctx.ctx, port, index, &mut gid) };
         self.ctx.check("ibv_query_gid", rc)?;
         // SAFETY: raw is the union's plain-bytes view.
         Ok(unsafe { gid.raw })
@@ -165,7 +165,7 @@ impl Device {
     ) -> Result<Option<([u8; 16], u8)>, VerbsError> {
         // GID indexes are a u8 in the address vector; a table longer than 256 is cut there.
         for index in 0..pa.gid_tbl_len.clamp(0, 256) {
-            let gid = self.gid(port, index as u8)?;
+            let gid = self.gid(port, index)?;
             if gid != [0; 16] {
                 return Ok(Some((gid, index as u8)));
             }
@@ -177,7 +177,8 @@ impl Device {
     /// `gid_index`.
     pub fn port_address(&self, port: u8, gid_index: u8) -> Result<PortAddress, VerbsError> {
         let pa = self.port_attr(port)?;
-        self.address(port, &pa, (self.gid(port, gid_index)?, gid_index))
+        let gid = self.gid(port, i32::from(gid_index))?;
+        self.address(port, &pa, (gid, gid_index))
     }
 
     /// The port as connected mode's readiness needs it: its state, and its first GID that is
@@ -193,7 +194,7 @@ impl Device {
         Ok(self.query_device()?.phys_port_cnt)
     }
 
-    fn query_device(&self) -> Result<ffi::ibv_device_attr, VerbsError> {
+    pub(super) fn query_device(&self) -> Result<ffi::ibv_device_attr, VerbsError> {
         let mut attr = ffi::ibv_device_attr::default();
         // SAFETY: valid context and out pointer.
         let rc = unsafe { ffi::ibv_query_device(self.ctx.ctx, &mut attr) };
