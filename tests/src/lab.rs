@@ -247,7 +247,7 @@ impl Lab {
             ip(&["link", "add", br, "type", "bridge"])?;
             ip(&["link", "set", br, "up"])?;
             for n in lab.nodes() {
-                let port = host_port(n);
+                let port = n.switch_port();
                 ip(&[
                     "link", "add", &n.iface, "type", "veth", "peer", "name", &port,
                 ])?;
@@ -472,7 +472,7 @@ impl Lab {
         for n in self.nodes() {
             let _ = run(Command::new("ip").args(["netns", "del", &n.ns]));
             if self.bridge.is_some() {
-                let _ = run(Command::new("ip").args(["link", "del", &host_port(n)]));
+                let _ = run(Command::new("ip").args(["link", "del", &n.switch_port()]));
             }
             // Pins of an interface that died with its namespace (and of its second rail's,
             // made or not: a run that died leaves them).
@@ -512,11 +512,6 @@ pub fn process_state(pid: u32) -> String {
         read(format!("/proc/{pid}/wchan")),
         read(format!("/proc/{pid}/stack"))
     )
-}
-
-/// The bridge's end of a star node's veth.
-fn host_port(n: &Node) -> String {
-    n.switch_port()
 }
 
 fn lab_mac(n: &Node) -> Result<String> {
