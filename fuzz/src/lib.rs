@@ -125,10 +125,10 @@ pub fn policy(data: &[u8]) {
     let mut view = PolicyView::new(&applied, None);
     view.memory_budget = change.memory_budget;
     view.max_connections = change.max_connections;
-    let pins: Vec<(String, String)> = change
+    let pins: Vec<(String, Pin)> = change
         .peers
         .iter()
-        .map(|(ip, pin)| (ip.to_string(), pin.to_string()))
+        .map(|(ip, pin)| (ip.to_string(), *pin))
         .collect();
     let printed = view.render_file("ib0", &pins);
     let again = PolicyChange::parse_file(&printed)

@@ -281,9 +281,9 @@ impl TryFrom<u8> for PeerPin {
 }
 
 impl core::fmt::Display for PeerPin {
-    /// As `set-policy` takes it.
+    /// As `set-policy` takes it (padded as asked: `status` aligns it in a column).
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.write_str(match self {
+        f.pad(match self {
             PeerPin::Auto => "auto",
             PeerPin::Ud => "ud",
             PeerPin::Cm => "cm",

@@ -117,6 +117,16 @@ pub enum EgressAttach {
     Netlink,
 }
 
+impl EgressAttach {
+    /// As `status` and its JSON name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tcx => "tcx",
+            Self::Netlink => "netlink",
+        }
+    }
+}
+
 /// Where ingress runs, as attached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

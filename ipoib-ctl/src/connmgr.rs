@@ -54,7 +54,7 @@ use crate::{
     policy::Mode,
     promotion::{Config as PromotionConfig, Failure, Promoter, UdPath},
     rtnl::{self, AddressMirror, Rtnl},
-    status::cm::{CmStatus, FailureStatus, NodeBudget, PeerStatus, ReceiveStatus},
+    status::cm::{CmStatus, FailureStatus, NodeBudget, PeerStatus, ReceiveKind, ReceiveStatus},
     tun::Tun,
     verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
 };
@@ -101,7 +101,7 @@ fn receive_status(recv: &Receive, budget_bytes: u64) -> ReceiveStatus {
     let registered_bytes = recv.registered_bytes();
     match recv {
         Receive::Srq(srq) => ReceiveStatus {
-            model: "srq".into(),
+            model: ReceiveKind::Srq,
             depth: srq.depth,
             registered_bytes,
             budget_bytes,
@@ -110,7 +110,7 @@ fn receive_status(recv: &Receive, budget_bytes: u64) -> ReceiveStatus {
         Receive::Rings(pool) => {
             let made = get(&pool.made);
             ReceiveStatus {
-                model: "rings".into(),
+                model: ReceiveKind::Rings,
                 depth: pool.depth,
                 rings: pool.in_use(),
                 max_rings: pool.max,
@@ -657,8 +657,8 @@ impl Manager {
             srq_depth: self.srq_depth,
             srq_low_events: self.core.srq_low_events(),
             max_connections: self.core.max_connections(),
-            mode: self.core.mode().to_string(),
-            ud_path: self.core.ud_path().to_string(),
+            mode: self.core.mode(),
+            ud_path: self.core.ud_path(),
             connections: self.core.connections(),
             established: get(&self.cm.stats.established),
             failed: get(&self.cm.stats.failed),

@@ -17,7 +17,7 @@ use ipoib_ctl::{
     netdev::Netdev,
     plan::SrqChoice,
     policy::{PolicyChange, PolicyError},
-    status,
+    status::{self, cm::ReceiveKind},
 };
 
 #[derive(Parser)]
@@ -381,17 +381,17 @@ fn budget_note(budget: u64, r: &ipoib_ctl::status::cm::ReceiveStatus) -> String 
     let ring = u64::from(r.depth) * ipoib_ctl::plan::CM_BUF_STRIDE;
     let planned = r.max_rings as usize;
     let rings = connmgr::live_cap(planned, None, Some(budget), Some(ring));
-    match r.model.as_str() {
-        "rings" if rings < planned => format!(
+    match r.model {
+        ReceiveKind::Rings if rings < planned => format!(
             "memory-budget: {rings} ring(s) of {} now (connections past them are closed \
              within a tick)",
             format_size(ring)
         ),
-        "rings" => format!(
+        ReceiveKind::Rings => format!(
             "memory-budget: at most the {} ring(s) this attach planned until the next attach",
             r.max_rings
         ),
-        _ => format!(
+        ReceiveKind::Srq => format!(
             "memory-budget: the SRQ ({} registered) is made once; {} takes effect at the next \
              attach",
             format_size(r.registered_bytes),
@@ -427,7 +427,7 @@ fn cmd_show_policy(iface: &str, json: bool) -> Result<()> {
     if json {
         return print_json(&view);
     }
-    let pins: Vec<(String, String)> = status::peers(&maps)?
+    let pins: Vec<(String, ipoib_ctl::policy::Pin)> = status::peers(&maps)?
         .into_iter()
         .map(|p| (p.addr, p.pin))
         .collect();

@@ -244,7 +244,7 @@ fn cm_gauges(cm: &CmStatus) -> [(&'static str, &'static str, u64); 7] {
             "ud_segmentation_offloaded",
             "1 when the interface segments in the device (TSO): mode auto then promotes no \
              peer by its rate",
-            u64::from(cm.ud_path.parse() == Ok(UdPath::Offloaded)),
+            u64::from(cm.ud_path == UdPath::Offloaded),
         ),
         (
             "cm_max_connections",
@@ -376,8 +376,8 @@ mod tests {
     /// two peers in the policy and one engine counter, one peer in the maps.
     fn status(cm: bool) -> Status {
         let mut v = serde_json::json!({
-            "iface": "ib0", "ifindex": 4, "egress_attach": "Netlink", "ingress": "tc",
-            "policy": {"link": "infiniband", "mode": "auto", "cm_threshold": 1024,
+            "iface": "ib0", "ifindex": 4, "egress_attach": "netlink", "ingress": "tc",
+            "policy": {"link": "ipoib", "mode": "auto", "cm_threshold": 1024,
                        "heartbeat_timeout_ms": 3000, "kernel_cm": false, "ctl_port": 4755,
                        "any_blocked": false, "memory_budget": null, "max_connections": null},
             "heartbeat_age_ms": 250, "heartbeat_writer_pid": 7, "failsafe_active": false,

@@ -59,9 +59,11 @@ pub enum PolicyError {
     },
 }
 
-/// The interface-wide mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The interface-wide mode; in JSON by its [`fmt::Display`] name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Mode {
+    #[default]
     Auto,
     Datagram,
     Connected,

@@ -135,7 +135,9 @@ pub enum State {
 /// a busy peer to CM: where the CPU builds every datagram the engine's hop costs less per
 /// byte, where the device segments it costs more (`bench hop`, docs/benchmarks.md), so no
 /// rate makes a connection worth it there. Mode `connected` and a pin still give CM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// In the CM status by its [`fmt::Display`] name (`per-packet`, `offloaded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum UdPath {
     /// The CPU builds every datagram (no segmentation offload).
     #[default]
@@ -162,19 +164,6 @@ impl UdPath {
                 "the device segments (TSO): mode auto promotes no peer by its rate \
                  (mode=connected or a pin gives CM)"
             }
-        }
-    }
-}
-
-/// From its [`fmt::Display`] form (`per-packet`, `offloaded`), as the CM status file holds it.
-impl std::str::FromStr for UdPath {
-    type Err = ();
-
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s {
-            "per-packet" => Ok(Self::PerPacket),
-            "offloaded" => Ok(Self::Offloaded),
-            _ => Err(()),
         }
     }
 }
@@ -885,9 +874,11 @@ mod tests {
         assert_eq!(UdPath::Offloaded.to_string(), "offloaded");
         assert_eq!(UdPath::PerPacket.to_string(), "per-packet");
         for p in [UdPath::Offloaded, UdPath::PerPacket] {
-            assert_eq!(p.to_string().parse(), Ok(p));
+            let json = serde_json::to_string(&p).unwrap();
+            assert_eq!(json, format!("\"{p}\""));
+            assert_eq!(serde_json::from_str::<UdPath>(&json).unwrap(), p);
         }
-        assert_eq!("".parse::<UdPath>(), Err(()));
+        assert!(serde_json::from_str::<UdPath>("\"\"").is_err());
         assert!(
             UdPath::Offloaded
                 .effect()

@@ -9,17 +9,17 @@ use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerMode, PeerTra
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    attach::EgressAttach,
     attach::{self, AttachError, AttachState},
     clock::monotonic_ns,
     maps::{self, DatapathMaps, PeerCacheCounts},
     policy::{Mode, Pin, format_size},
-    promotion::UdPath,
 };
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PolicyView {
-    pub link: String,
-    pub mode: String,
+    pub link: LinkKind,
+    pub mode: ModeView,
     pub cm_threshold: u32,
     pub heartbeat_timeout_ms: u64,
     pub kernel_cm: bool,
@@ -35,13 +35,11 @@ impl PolicyView {
     pub fn new(p: &Policy, state: Option<&AttachState>) -> Self {
         Self {
             link: match p.link_type {
-                ARPHRD_INFINIBAND => "ipoib",
-                ARPHRD_ETHER => "ethernet",
-                _ => "unconfigured",
-            }
-            .into(),
-            mode: Mode::from_raw(p.mode)
-                .map_or_else(|| format!("unknown({})", p.mode), |m| m.to_string()),
+                ARPHRD_INFINIBAND => LinkKind::Ipoib,
+                ARPHRD_ETHER => LinkKind::Ethernet,
+                _ => LinkKind::Unconfigured,
+            },
+            mode: Mode::from_raw(p.mode).map_or(ModeView::Unknown(p.mode), ModeView::Known),
             cm_threshold: p.cm_min_bytes,
             heartbeat_timeout_ms: p.heartbeat_timeout_ns / 1_000_000,
             kernel_cm: p.kernel_cm != 0,
@@ -73,7 +71,7 @@ impl PolicyView {
     /// As a policy file that `set-policy IFACE --file` reads back unchanged: one setting per
     /// line, the pins (`pins`: address and pin, `auto` left out) last, what no key sets as
     /// comments.
-    pub fn render_file(&self, iface: &str, pins: &[(String, String)]) -> String {
+    pub fn render_file(&self, iface: &str, pins: &[(String, Pin)]) -> String {
         let mut out = format!(
             "# ipoib-ctl show-policy {iface} (link {}); `ipoib-ctl set-policy {iface} --file \
              FILE` reads it back\nmode={}\ncm-threshold={}\nheartbeat-timeout={}ms\n\
@@ -93,7 +91,7 @@ impl PolicyView {
             Some(n) => out.push_str(&format!("max-connections={n}\n")),
             None => out.push_str("# max-connections: as many as the memory plan allows\n"),
         }
-        for (addr, pin) in pins.iter().filter(|(_, pin)| pin != "auto") {
+        for (addr, pin) in pins.iter().filter(|(_, pin)| *pin != Pin::Auto) {
             if addr.contains(':') {
                 out.push_str(&format!("peer=[{addr}]:{pin}\n"));
             } else {
@@ -109,7 +107,9 @@ pub struct PeerView {
     pub addr: String,
     /// In JSON "ud", "cm_pending", "cm_up", or "-" for a peer only seen in traffic.
     pub mode: PeerModeView,
-    pub pin: String,
+    /// In JSON by its `set-policy` name: "auto", "ud", "cm" or "block".
+    #[serde(with = "pin_by_name")]
+    pub pin: Pin,
     pub cm_ifindex: u32,
     pub generation: u32,
     #[serde(flatten)]
@@ -156,7 +156,7 @@ pub struct CounterView {
 pub struct Status {
     pub iface: String,
     pub ifindex: Option<u32>,
-    pub egress_attach: Option<String>,
+    pub egress_attach: Option<EgressAttach>,
     pub ingress: Option<attach::IngressAttach>,
     pub policy: PolicyView,
     /// Milliseconds since the control plane last wrote the heartbeat; `None`: never.
@@ -248,6 +248,87 @@ impl TryFrom<String> for PeerModeView {
     }
 }
 
+/// The kind of link the fast path was configured for; in JSON by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkKind {
+    Ipoib,
+    Ethernet,
+    /// The policy map holds no link type this build knows.
+    Unconfigured,
+}
+
+impl std::fmt::Display for LinkKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            Self::Ipoib => "ipoib",
+            Self::Ethernet => "ethernet",
+            Self::Unconfigured => "unconfigured",
+        })
+    }
+}
+
+/// The policy's mode as the map holds it; in JSON by name, or "unknown(N)".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum ModeView {
+    Known(Mode),
+    /// A value this build does not know.
+    Unknown(u8),
+}
+
+impl std::fmt::Display for ModeView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Known(m) => f.pad(&m.to_string()),
+            Self::Unknown(n) => f.pad(&format!("unknown({n})")),
+        }
+    }
+}
+
+impl From<ModeView> for String {
+    fn from(m: ModeView) -> String {
+        m.to_string()
+    }
+}
+
+impl TryFrom<String> for ModeView {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        [Mode::Auto, Mode::Datagram, Mode::Connected]
+            .into_iter()
+            .find(|m| m.to_string() == s)
+            .map(Self::Known)
+            .or_else(|| {
+                s.strip_prefix("unknown(")
+                    .and_then(|r| r.strip_suffix(')'))
+                    .and_then(|n| n.parse().ok())
+                    .map(Self::Unknown)
+            })
+            .ok_or_else(|| format!("not a mode: `{s}`"))
+    }
+}
+
+/// A [`Pin`] in JSON by its `set-policy` name (ipoib-common, shared with eBPF, has no serde).
+mod pin_by_name {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
+
+    use super::Pin;
+
+    pub fn serialize<S: Serializer>(pin: &Pin, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(pin)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Pin, D::Error> {
+        let name = String::deserialize(d)?;
+        [Pin::Auto, Pin::Ud, Pin::Cm, Pin::Block]
+            .into_iter()
+            .find(|p| p.to_string() == name)
+            .ok_or_else(|| D::Error::custom(format!("not a pin: `{name}`")))
+    }
+}
+
 fn pid_alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks for existence.
     unsafe { libc::kill(pid as i32, 0) == 0 }
@@ -275,7 +356,7 @@ pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
             mode: e.map_or(PeerModeView::Unseen, |e| PeerModeView::of(e.mode)),
             pin: e
                 .and_then(|e| Pin::try_from(e.pin).ok())
-                .map_or_else(|| "auto".into(), |p| p.to_string()),
+                .unwrap_or_default(),
             cm_ifindex: e.map_or(0, |e| e.cm_ifindex),
             generation: e.map_or(0, |e| e.generation),
             traffic: t.map(|t| TrafficView::new(&t, now)).unwrap_or_default(),
@@ -321,7 +402,7 @@ pub fn gather_from(
     Ok(Status {
         iface: iface.to_string(),
         ifindex: state.map(|s| s.ifindex),
-        egress_attach: state.map(|s| format!("{:?}", s.egress).to_lowercase()),
+        egress_attach: state.map(|s| s.egress),
         ingress: state.map(|s| s.ingress),
         policy: PolicyView::new(&policy, state),
         heartbeat_age_ms,
@@ -426,7 +507,7 @@ pub fn render(s: &Status) -> String {
         "{}: ifindex {} egress {} ingress {}",
         s.iface,
         s.ifindex.map_or_else(|| "?".into(), |i| i.to_string()),
-        s.egress_attach.as_deref().unwrap_or("?"),
+        s.egress_attach.map_or("?", EgressAttach::name),
         match s.ingress {
             Some(attach::IngressAttach::Tc) => "tc",
             Some(attach::IngressAttach::Driver) => "xdp driver",
@@ -533,16 +614,16 @@ const UNCAPPED: usize = 1 << 16;
 
 fn render_cm(out: &mut String, cm: &cm::CmStatus) {
     let r = &cm.receive;
-    let receive = match r.model.as_str() {
-        "rings" => format!(
+    let receive = match r.model {
+        cm::ReceiveKind::Rings => format!(
             "rings of {} buffers: {} of K={} in use",
             r.depth, r.rings, r.max_rings
         ),
-        _ => format!("SRQ {} buffers", cm.srq_depth),
+        cm::ReceiveKind::Srq => format!("SRQ {} buffers", cm.srq_depth),
     };
     // With an SRQ the memory does not grow with connections: the plan's cap is then the
     // HCA's QPs, a number nobody means (1048552 on soft-RoCE).
-    let cap = if r.model != "rings" && cm.max_connections >= UNCAPPED {
+    let cap = if r.model == cm::ReceiveKind::Srq && cm.max_connections >= UNCAPPED {
         "no cap but the HCA's QPs".to_owned()
     } else {
         format!("at most {}", cm.max_connections)
@@ -553,8 +634,7 @@ fn render_cm(out: &mut String, cm: &cm::CmStatus) {
          {} established / {} failed setups",
         cm.device, cm.tun, cm.connections, cm.established, cm.failed
     );
-    let ud_path = cm.ud_path.parse().map_or("not reported", UdPath::effect);
-    let _ = writeln!(out, "    UD path: {ud_path}");
+    let _ = writeln!(out, "    UD path: {}", cm.ud_path.effect());
     let _ = writeln!(
         out,
         "    receive memory: {} registered of a {} budget",
@@ -630,8 +710,8 @@ mod tests {
 
     fn policy_view() -> PolicyView {
         PolicyView {
-            link: "ipoib".into(),
-            mode: "auto".into(),
+            link: LinkKind::Ipoib,
+            mode: ModeView::Known(Mode::Auto),
             cm_threshold: 1024,
             heartbeat_timeout_ms: 3000,
             kernel_cm: false,
@@ -646,7 +726,7 @@ mod tests {
         Status {
             iface: "ib0".into(),
             ifindex: Some(7),
-            egress_attach: Some("tcx".into()),
+            egress_attach: Some(EgressAttach::Tcx),
             ingress: Some(attach::IngressAttach::Generic),
             policy: policy_view(),
             heartbeat_age_ms: Some(120),
@@ -719,6 +799,91 @@ mod tests {
             assert_eq!(serde_json::from_str::<PeerModeView>(&json).unwrap(), m);
         }
         assert!(serde_json::from_str::<PeerModeView>("\"up\"").is_err());
+    }
+
+    /// The typed fields print the names scripts read from `status --json` (the strings they
+    /// were before they had types), and read back the same.
+    #[test]
+    fn typed_fields_keep_their_json_names() {
+        let mut s = status();
+        s.policy.mode = ModeView::Known(Mode::Connected);
+        s.peers = vec![PeerView {
+            pin: Pin::Block,
+            ..peer("10.0.0.9")
+        }];
+        let mut c = cm::CmStatus {
+            mode: Mode::Datagram,
+            ud_path: crate::promotion::UdPath::Offloaded,
+            ..cm::CmStatus::default()
+        };
+        c.receive.model = cm::ReceiveKind::Rings;
+        s.cm = Some(c);
+        let v = serde_json::to_value(&s).unwrap();
+        let at = |path: &[&str]| {
+            path.iter()
+                .fold(&v, |v, k| match k.parse::<usize>() {
+                    Ok(i) => &v[i],
+                    Err(_) => &v[*k],
+                })
+                .clone()
+        };
+        assert_eq!(at(&["egress_attach"]), "tcx");
+        assert_eq!(at(&["policy", "link"]), "ipoib");
+        assert_eq!(at(&["policy", "mode"]), "connected");
+        assert_eq!(at(&["peers", "0", "pin"]), "block");
+        assert_eq!(at(&["cm", "mode"]), "datagram");
+        assert_eq!(at(&["cm", "ud_path"]), "offloaded");
+        assert_eq!(at(&["cm", "receive", "model"]), "rings");
+        let back: Status = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&back).unwrap(), v);
+    }
+
+    /// Every value of each typed field, both ways; unknown ones refused.
+    #[test]
+    fn each_typed_value_has_its_json_name() {
+        for e in [EgressAttach::Tcx, EgressAttach::Netlink] {
+            assert_eq!(serde_json::to_value(e).unwrap(), e.name());
+        }
+        for (link, name) in [
+            (LinkKind::Ipoib, "ipoib"),
+            (LinkKind::Ethernet, "ethernet"),
+            (LinkKind::Unconfigured, "unconfigured"),
+        ] {
+            assert_eq!(link.to_string(), name);
+            assert_eq!(serde_json::to_value(link).unwrap(), name);
+        }
+        for m in [
+            ModeView::Known(Mode::Auto),
+            ModeView::Known(Mode::Datagram),
+            ModeView::Known(Mode::Connected),
+            ModeView::Unknown(9),
+        ] {
+            let json = serde_json::to_string(&m).unwrap();
+            assert_eq!(json, format!("\"{m}\""));
+            assert_eq!(serde_json::from_str::<ModeView>(&json).unwrap(), m);
+        }
+        assert_eq!(ModeView::Unknown(9).to_string(), "unknown(9)");
+        assert!(serde_json::from_str::<ModeView>("\"fast\"").is_err());
+        for p in [Pin::Auto, Pin::Ud, Pin::Cm, Pin::Block] {
+            let view = PeerView {
+                pin: p,
+                ..peer("10.0.0.9")
+            };
+            let json = serde_json::to_value(&view).unwrap();
+            assert_eq!(json["pin"], p.to_string());
+            assert_eq!(serde_json::from_value::<PeerView>(json).unwrap().pin, p);
+        }
+        let mut bad = serde_json::to_value(peer("10.0.0.9")).unwrap();
+        bad["pin"] = "sticky".into();
+        assert!(serde_json::from_value::<PeerView>(bad).is_err());
+        for (k, name) in [
+            (cm::ReceiveKind::Srq, "srq"),
+            (cm::ReceiveKind::Rings, "rings"),
+        ] {
+            assert_eq!(serde_json::to_value(k).unwrap(), name);
+        }
+        // A pin pads in the peers table's column.
+        assert_eq!(format!("{:<5}|", Pin::Cm), "cm   |");
     }
 
     #[test]
@@ -856,9 +1021,9 @@ mod tests {
         let file = p.render_file(
             "ib0",
             &[
-                ("10.0.0.7".into(), "ud".into()),
-                ("10.0.0.8".into(), "auto".into()),
-                ("fd00::9".into(), "block".into()),
+                ("10.0.0.7".into(), Pin::Ud),
+                ("10.0.0.8".into(), Pin::Auto),
+                ("fd00::9".into(), Pin::Block),
             ],
         );
         let lines: Vec<&str> = file.lines().filter(|l| !l.starts_with('#')).collect();
@@ -896,7 +1061,7 @@ mod tests {
         PeerView {
             addr: addr.into(),
             mode: PeerModeView::Ud,
-            pin: "auto".into(),
+            pin: Pin::Auto,
             cm_ifindex: 0,
             generation: 0,
             traffic: TrafficView::default(),
@@ -910,7 +1075,7 @@ mod tests {
             connections: 2,
             ..Default::default()
         };
-        cm.receive.model = "srq".into();
+        cm.receive.model = cm::ReceiveKind::Srq;
         let mut out = String::new();
         render_cm(&mut out, &cm);
         assert!(
@@ -922,7 +1087,7 @@ mod tests {
         render_cm(&mut out, &cm);
         assert!(out.contains("2 connections (at most 3)"), "{out}");
         // Rings: their use against K, and the cap as it is even when large.
-        cm.receive.model = "rings".into();
+        cm.receive.model = cm::ReceiveKind::Rings;
         cm.receive.depth = 64;
         cm.receive.rings = 2;
         cm.receive.max_rings = 3;

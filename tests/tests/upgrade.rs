@@ -21,7 +21,9 @@ use aya::{
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink, tc},
     util::KernelVersion,
 };
-use ipoib_common::{ARPHRD_ETHER, LAYOUT, PeerEntry, PeerKey, Policy, map_names, peer_pin};
+use ipoib_common::{
+    ARPHRD_ETHER, LAYOUT, PeerEntry, PeerKey, PeerPin, Policy, map_names, peer_pin,
+};
 use ipoib_ctl::attach::{AttachState, EgressAttach, IngressAttach, pin_dir, state_path};
 use ipoib_tests::{
     cmlab::in_netns,
@@ -347,6 +349,6 @@ fn an_attachment_of_layout_1_is_replaced_under_traffic_without_a_gap() {
     }
     // B's pin came across.
     let b_view = a.peer(&b.ip4.to_string()).unwrap().expect("A knows B");
-    assert_eq!(b_view.pin, "block", "{b_view:?}");
+    assert_eq!(b_view.pin, PeerPin::Block, "{b_view:?}");
     lab.teardown();
 }

@@ -5,7 +5,11 @@ use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ledger::Share, promotion::Failure};
+use crate::{
+    ledger::Share,
+    policy::Mode,
+    promotion::{Failure, UdPath},
+};
 
 /// One peer in the status.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -65,11 +69,21 @@ pub struct FailureStatus {
     pub secs_ago: u64,
 }
 
+/// Where a connection's receives land; in JSON `srq` or `rings`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ReceiveKind {
+    /// One shared receive queue for every connection.
+    #[default]
+    Srq,
+    /// A ring of buffers per connection.
+    Rings,
+}
+
 /// Where receives land, and what they cost, in the CM status.
 #[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
 pub struct ReceiveStatus {
-    /// "srq" (one shared receive queue) or "rings" (a ring per connection).
-    pub model: String,
+    pub model: ReceiveKind,
     /// Buffers of the SRQ, or of each ring.
     pub depth: u32,
     /// Rings that exist now (set up, in use or being torn down), and the plan's K.
@@ -97,11 +111,11 @@ pub struct CmStatus {
     #[serde(default)]
     pub srq_low_events: u64,
     pub max_connections: usize,
-    pub mode: String,
+    pub mode: Mode,
     /// How the interface's UD path segments: `per-packet` (mode auto promotes busy peers) or
-    /// `offloaded` (TSO: it promotes none by rate); see [`crate::promotion::UdPath`].
+    /// `offloaded` (TSO: it promotes none by rate).
     #[serde(default)]
-    pub ud_path: String,
+    pub ud_path: UdPath,
     pub connections: usize,
     pub established: u64,
     pub failed: u64,

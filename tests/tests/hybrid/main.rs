@@ -26,10 +26,10 @@ use std::{
 };
 
 use ipoib_ctl::{
-    promotion::Failure,
+    promotion::{Failure, UdPath},
     status::{
         PeerModeView, PeerView, Status,
-        cm::{CmPeerState, CmStatus, PeerStatus, read_status},
+        cm::{CmPeerState, CmStatus, PeerStatus, ReceiveKind, read_status},
     },
 };
 use ipoib_tests::{
@@ -521,7 +521,15 @@ enum Recv {
 }
 
 impl Recv {
-    /// As the CM status names it.
+    /// As the CM status has it.
+    fn kind(self) -> ReceiveKind {
+        match self {
+            Recv::Srq => ReceiveKind::Srq,
+            Recv::Rings => ReceiveKind::Rings,
+        }
+    }
+
+    /// As the CM status names it in JSON.
     fn name(self) -> &'static str {
         match self {
             Recv::Srq => "srq",
@@ -576,7 +584,7 @@ fn attach_node(lab: &mut Lab, n: &Node, recv: Recv, dev: &str, extra: &[&str]) -
         .attach_node(n, &args)
         .unwrap_or_else(|e| panic!("{}: attach {args:?}: {e:#}", n.ns));
     let cm = cm_of(n);
-    assert_eq!(cm.receive.model, recv.name(), "{}: {cm:#?}", n.ns);
+    assert_eq!(cm.receive.model, recv.kind(), "{}: {cm:#?}", n.ns);
     pid
 }
 

@@ -394,8 +394,8 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
     a.set_tso(true).unwrap();
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
-    assert_eq!(cm_of(&a).ud_path, "offloaded", "{:#?}", cm_of(&a));
-    assert_eq!(cm_of(&b).ud_path, "per-packet", "{:#?}", cm_of(&b));
+    assert_eq!(cm_of(&a).ud_path, UdPath::Offloaded, "{:#?}", cm_of(&a));
+    assert_eq!(cm_of(&b).ud_path, UdPath::PerPacket, "{:#?}", cm_of(&b));
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5335);
     // Promotion on a per-packet path takes 2-3 ticks of bulk traffic; give it 8.
@@ -442,7 +442,7 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
             )
         });
     eprintln!("TSO off: B on CM after {:.1?}", t.elapsed());
-    assert_eq!(cm_of(&a).ud_path, "per-packet");
+    assert_eq!(cm_of(&a).ud_path, UdPath::PerPacket);
     assert!(
         ctl_log(&a).contains("the UD path is per-packet now"),
         "{}",
