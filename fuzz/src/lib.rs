@@ -7,7 +7,7 @@ mod differential;
 
 use std::{net::IpAddr, path::Path};
 
-use ipoib_common::{ARPHRD_INFINIBAND, Policy};
+use ipoib_common::{ARPHRD_INFINIBAND, PeerPin, Policy};
 use ipoib_ctl::{
     cm::{
         peer::ipoib_hwaddr,
@@ -18,7 +18,7 @@ use ipoib_ctl::{
     },
     iblink,
     path::{Endpoint, LinkLayer, address_vector},
-    policy::{Pin, PolicyChange},
+    policy::PolicyChange,
     status::{PolicyView, Status, cm::CmStatus},
 };
 
@@ -125,7 +125,7 @@ pub fn policy(data: &[u8]) {
     let mut view = PolicyView::new(&applied, None);
     view.memory_budget = change.memory_budget;
     view.max_connections = change.max_connections;
-    let pins: Vec<(String, Pin)> = change
+    let pins: Vec<(String, PeerPin)> = change
         .peers
         .iter()
         .map(|(ip, pin)| (ip.to_string(), *pin))
@@ -139,10 +139,10 @@ pub fn policy(data: &[u8]) {
     assert_eq!(reapplied, applied, "from\n{text}\nprinted\n{printed}");
     assert_eq!(again.memory_budget, change.memory_budget, "{printed}");
     assert_eq!(again.max_connections, change.max_connections, "{printed}");
-    let pinned = |c: &PolicyChange| -> Vec<(IpAddr, Pin)> {
+    let pinned = |c: &PolicyChange| -> Vec<(IpAddr, PeerPin)> {
         c.peers
             .iter()
-            .filter(|(_, p)| **p != Pin::Auto)
+            .filter(|(_, p)| **p != PeerPin::Auto)
             .map(|(ip, p)| (*ip, *p))
             .collect()
     };

@@ -28,7 +28,7 @@ use aya::{
     },
     util::KernelVersion,
 };
-use ipoib_common::{Policy, map_names, prog_names};
+use ipoib_common::{PeerPin, Policy, map_names, prog_names};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -36,7 +36,7 @@ use crate::{
     datapath::{Datapath, DatapathError},
     maps::{DatapathMaps, MapsError},
     netdev::{Netdev, NetdevError},
-    policy::{Pin, PolicyChange, PolicyError},
+    policy::{PolicyChange, PolicyError},
 };
 
 pub const PIN_ROOT: &str = "/sys/fs/bpf/ipoib";
@@ -588,11 +588,14 @@ fn adopt(dev: &Netdev, change: Option<&PolicyChange>) -> Result<Attached> {
 }
 
 /// Every peer's pin once `change` is applied.
-fn pins_after(maps: &DatapathMaps, change: &PolicyChange) -> Result<Vec<(std::net::IpAddr, Pin)>> {
+fn pins_after(
+    maps: &DatapathMaps,
+    change: &PolicyChange,
+) -> Result<Vec<(std::net::IpAddr, PeerPin)>> {
     let mut pins: std::collections::BTreeMap<_, _> = maps
         .peers()?
         .into_iter()
-        .filter_map(|(k, e)| Some((k.ip()?, Pin::try_from(e.pin).unwrap_or_default())))
+        .filter_map(|(k, e)| Some((k.ip()?, PeerPin::try_from(e.pin).unwrap_or_default())))
         .collect();
     pins.extend(change.peers.iter().map(|(ip, pin)| (*ip, *pin)));
     Ok(pins.into_iter().collect())

@@ -427,7 +427,7 @@ fn cmd_show_policy(iface: &str, json: bool) -> Result<()> {
     if json {
         return print_json(&view);
     }
-    let pins: Vec<(String, ipoib_ctl::policy::Pin)> = status::peers(&maps)?
+    let pins: Vec<(String, ipoib_common::PeerPin)> = status::peers(&maps)?
         .into_iter()
         .map(|p| (p.addr, p.pin))
         .collect();

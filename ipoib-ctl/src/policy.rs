@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use ipoib_common::{IPOIB_CM_MTU, Policy, global_mode};
+use ipoib_common::{IPOIB_CM_MTU, PeerPin, Policy, global_mode};
 
 /// Bounds of each setting, documented in `set-policy --help`.
 pub const CM_THRESHOLD_MIN: u32 = 64;
@@ -98,9 +98,6 @@ impl fmt::Display for Mode {
     }
 }
 
-/// An operator's per-peer override (one type for policy, promotion, status and the manager).
-pub use ipoib_common::PeerPin as Pin;
-
 /// Everything one `set-policy` (or policy file) asks for. `None`: leave as it is.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PolicyChange {
@@ -112,7 +109,7 @@ pub struct PolicyChange {
     pub memory_budget: Option<u64>,
     /// CM connections at most, below what the memory plan allows.
     pub max_connections: Option<u32>,
-    pub peers: BTreeMap<IpAddr, Pin>,
+    pub peers: BTreeMap<IpAddr, PeerPin>,
 }
 
 fn invalid(key: &'static str, value: &str, why: impl Into<String>) -> PolicyError {
@@ -170,7 +167,7 @@ pub fn format_size(b: u64) -> String {
 }
 
 /// `10.0.0.7:ud`, `[fd00::2]:cm`, `fd00::2:block` (the last `:` separates the pin).
-fn parse_peer(value: &str) -> Result<(IpAddr, Pin), PolicyError> {
+fn parse_peer(value: &str) -> Result<(IpAddr, PeerPin), PolicyError> {
     let (addr, pin) = value
         .rsplit_once(':')
         .ok_or_else(|| invalid("peer", value, "expected ADDRESS:ud|cm|auto|block"))?;
@@ -180,10 +177,10 @@ fn parse_peer(value: &str) -> Result<(IpAddr, Pin), PolicyError> {
         return Err(invalid("peer", value, "not a unicast peer address"));
     }
     let pin = match pin {
-        "ud" => Pin::Ud,
-        "cm" => Pin::Cm,
-        "auto" => Pin::Auto,
-        "block" => Pin::Block,
+        "ud" => PeerPin::Ud,
+        "cm" => PeerPin::Cm,
+        "auto" => PeerPin::Auto,
+        "block" => PeerPin::Block,
         _ => return Err(invalid("peer", value, "pin must be ud, cm, auto or block")),
     };
     Ok((ip, pin))
@@ -389,7 +386,7 @@ impl PolicyChange {
     pub fn apply(
         &self,
         current: &Policy,
-        pins_after: impl IntoIterator<Item = (IpAddr, Pin)>,
+        pins_after: impl IntoIterator<Item = (IpAddr, PeerPin)>,
     ) -> Result<Policy, PolicyError> {
         let mut p = *current;
         if let Some(m) = self.mode {
@@ -409,10 +406,10 @@ impl PolicyChange {
         }
         let mut any_blocked = false;
         for (ip, pin) in pins_after {
-            if pin == Pin::Cm && p.mode == global_mode::DATAGRAM {
+            if pin == PeerPin::Cm && p.mode == global_mode::DATAGRAM {
                 return Err(PolicyError::PinCmInDatagram { peer: ip });
             }
-            any_blocked |= pin == Pin::Block;
+            any_blocked |= pin == PeerPin::Block;
         }
         p.any_blocked = any_blocked as u8;
         Ok(p)
@@ -453,9 +450,12 @@ mod tests {
         assert_eq!(c.max_connections, Some(16));
         let least = parse(&["memory-budget=4MiB"]).unwrap().memory_budget;
         assert_eq!(least, Some(MEMORY_BUDGET_MIN));
-        assert_eq!(c.peers[&"10.0.0.7".parse::<IpAddr>().unwrap()], Pin::Ud);
-        assert_eq!(c.peers[&"fd00::2".parse::<IpAddr>().unwrap()], Pin::Cm);
-        assert_eq!(c.peers[&"fd00::3".parse::<IpAddr>().unwrap()], Pin::Block);
+        assert_eq!(c.peers[&"10.0.0.7".parse::<IpAddr>().unwrap()], PeerPin::Ud);
+        assert_eq!(c.peers[&"fd00::2".parse::<IpAddr>().unwrap()], PeerPin::Cm);
+        assert_eq!(
+            c.peers[&"fd00::3".parse::<IpAddr>().unwrap()],
+            PeerPin::Block
+        );
     }
 
     #[test]

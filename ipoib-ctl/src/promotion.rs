@@ -27,6 +27,8 @@
 
 use std::{collections::BTreeMap, fmt, time::Duration};
 
+use ipoib_common::PeerPin;
+
 use crate::policy::Mode;
 
 mod failure;
@@ -72,8 +74,6 @@ impl Default for Config {
         }
     }
 }
-
-pub use crate::policy::Pin;
 
 /// Cumulative counters of one peer, as the fast path and the engine count them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -193,7 +193,7 @@ pub enum UdWhy {
 
 #[derive(Debug, Clone)]
 struct Peer {
-    pin: Pin,
+    pin: PeerPin,
     state: State,
     last: Option<(u64, Sample)>,
     /// Smoothed bulk transmit rate, bytes/s.
@@ -212,7 +212,7 @@ struct Peer {
 impl Peer {
     fn new() -> Self {
         Self {
-            pin: Pin::Auto,
+            pin: PeerPin::Auto,
             state: State::Ud { hold_until: 0 },
             last: None,
             rate: 0.0,
@@ -237,7 +237,7 @@ impl Peer {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Explain {
     pub state: State,
-    pub pin: Pin,
+    pub pin: PeerPin,
     pub rate: f64,
     pub failures: u32,
     /// While `failures` counts any: the last one, and how long ago it came.
@@ -374,7 +374,7 @@ impl<K: Ord + Clone> Promoter<K> {
         self.cfg.max_connections = n;
     }
 
-    pub fn set_pin(&mut self, key: K, pin: Pin) {
+    pub fn set_pin(&mut self, key: K, pin: PeerPin) {
         self.peers.entry(key).or_insert_with(Peer::new).pin = pin;
     }
 
@@ -449,7 +449,8 @@ impl<K: Ord + Clone> Promoter<K> {
             .count();
         let max = self.cfg.max_connections;
         let p = self.peers.entry(key).or_insert_with(Peer::new);
-        if mode == Mode::Datagram || matches!(p.pin, Pin::Ud | Pin::Block) || others >= max {
+        if mode == Mode::Datagram || matches!(p.pin, PeerPin::Ud | PeerPin::Block) || others >= max
+        {
             return false;
         }
         match p.state {
@@ -535,9 +536,9 @@ impl<K: Ord + Clone> Promoter<K> {
                 State::Up { since } => {
                     let why = if mode == Mode::Datagram {
                         Some(Demotion::Datagram)
-                    } else if matches!(p.pin, Pin::Ud | Pin::Block) {
+                    } else if matches!(p.pin, PeerPin::Ud | PeerPin::Block) {
                         Some(Demotion::Pinned)
-                    } else if p.pin != Pin::Cm
+                    } else if p.pin != PeerPin::Cm
                         && now.saturating_sub(p.last_active.unwrap_or(0)) >= ns(cfg.idle_after)
                         && now.saturating_sub(since) >= ns(cfg.min_hold)
                     {
@@ -569,7 +570,7 @@ impl<K: Ord + Clone> Promoter<K> {
         let mut victims: Vec<(Option<u64>, K)> = self
             .peers
             .iter()
-            .filter(|(_, p)| matches!(p.state, State::Up { .. }) && p.pin != Pin::Cm)
+            .filter(|(_, p)| matches!(p.state, State::Up { .. }) && p.pin != PeerPin::Cm)
             .map(|(k, p)| (p.last_active, k.clone()))
             .collect();
         victims.sort();
@@ -600,7 +601,7 @@ impl<K: Ord + Clone> Promoter<K> {
             let State::Ud { hold_until } = p.state else {
                 continue;
             };
-            let pinned = p.pin == Pin::Cm;
+            let pinned = p.pin == PeerPin::Cm;
             let worth = pinned
                 || match mode {
                     Mode::Auto => by_rate && p.rate >= cfg.promote_rate,
@@ -609,7 +610,7 @@ impl<K: Ord + Clone> Promoter<K> {
                 };
             p.why = if mode == Mode::Datagram {
                 UdWhy::ModeDatagram
-            } else if matches!(p.pin, Pin::Ud | Pin::Block) {
+            } else if matches!(p.pin, PeerPin::Ud | PeerPin::Block) {
                 UdWhy::Pinned
             } else if !worth && mode == Mode::Auto && !by_rate {
                 UdWhy::UdOffloaded
@@ -684,7 +685,7 @@ impl<K: Ord + Clone> Promoter<K> {
             .iter()
             .filter(|(_, p)| {
                 matches!(p.state, State::Up { since } if now.saturating_sub(since) >= hold)
-                    && p.pin == Pin::Auto
+                    && p.pin == PeerPin::Auto
             })
             .map(|(k, p)| (p.last_active, p.rate, k.clone()))
             .collect();
@@ -821,7 +822,7 @@ mod tests {
         let mut s = Sim::new(cfg(8), Mode::Auto);
         s.p.set_ud_path(UdPath::Offloaded);
         assert_eq!(s.p.ud_path(), UdPath::Offloaded);
-        s.p.set_pin(3, Pin::Cm);
+        s.p.set_pin(3, PeerPin::Cm);
         let bulk = [(1, 50 * MB, 65000, 0), (2, 100, 100, 0), (3, 100, 100, 0)];
         let mut acts = Vec::new();
         for _ in 0..5 {
@@ -1102,7 +1103,7 @@ mod tests {
         );
         s.p.connected(s.now, &1);
         // Peer 2 is first seen while the plan is full; its failure is made up here.
-        s.p.set_pin(2, Pin::Auto);
+        s.p.set_pin(2, PeerPin::Auto);
         s.p.failed(s.now, &2, Failure::Timeout);
         for _ in 0..10 {
             let a = s.second(&[(1, 20 * MB, 65000, 20 * MB), (2, 900 * MB, 65000, 0)]);
@@ -1266,8 +1267,8 @@ mod tests {
     #[test]
     fn pins_override_the_traffic() {
         let mut s = Sim::new(cfg(1), Mode::Auto);
-        s.p.set_pin(7, Pin::Cm);
-        s.p.set_pin(8, Pin::Ud);
+        s.p.set_pin(7, PeerPin::Cm);
+        s.p.set_pin(8, PeerPin::Ud);
         let a = s.second(&[(8, 500 * MB, 65000, 0)]);
         assert_eq!(a, vec![Action::Connect(7)], "pinned CM first, even silent");
         s.second(&[(8, 500 * MB, 65000, 0)]);
@@ -1278,7 +1279,7 @@ mod tests {
             assert!(s.second(&[(7, 0, 1, 0)]).is_empty());
         }
         // Pinning a live connection to UD takes it down.
-        s.p.set_pin(7, Pin::Ud);
+        s.p.set_pin(7, PeerPin::Ud);
         assert_eq!(s.second(&[]), vec![Action::Disconnect(7, Demotion::Pinned)]);
     }
 
@@ -1343,7 +1344,7 @@ mod tests {
         // The peer we are connecting to won the crossing: its slot is already counted.
         assert!(s.p.accepted(s.now, 2));
         assert_eq!(s.p.counts().up, 2);
-        s.p.set_pin(4, Pin::Block);
+        s.p.set_pin(4, PeerPin::Block);
         s.p.set_max_connections(8);
         assert!(!s.p.accepted(s.now, 4), "pinned away from CM");
         s.p.set_mode(Mode::Datagram);
@@ -1356,7 +1357,7 @@ mod tests {
         for k in 1..=3 {
             assert!(s.p.accepted(S, k));
         }
-        s.p.set_pin(3, Pin::Cm);
+        s.p.set_pin(3, PeerPin::Cm);
         // 2 is active, 1 and 3 are not; 3 is pinned.
         s.second(&[(2, MB, 65000, MB)]);
         s.p.set_max_connections(1);
@@ -1504,7 +1505,7 @@ mod tests {
         let mut c = cfg(1);
         c.min_hold = Duration::from_secs(1);
         let mut s = Sim::new(c, Mode::Auto);
-        s.p.set_pin(7, Pin::Cm);
+        s.p.set_pin(7, PeerPin::Cm);
         assert_eq!(s.second(&[]), vec![Action::Connect(7)]);
         s.p.connected(s.now, &7);
         for _ in 0..10 {
@@ -1546,7 +1547,7 @@ mod tests {
         // 1 stays connecting; 2 is up; 3 is up and then draining; 4 failed; 5 is UD.
         s.p.connected(s.now, &2);
         s.p.connected(s.now, &3);
-        s.p.set_pin(3, Pin::Ud);
+        s.p.set_pin(3, PeerPin::Ud);
         s.p.failed(s.now, &4, Failure::Timeout);
         s.second(&[]);
         assert_eq!(

@@ -5,7 +5,9 @@ pub mod cm;
 
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
-use ipoib_common::{ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerMode, PeerTraffic, Policy};
+use ipoib_common::{
+    ARPHRD_ETHER, ARPHRD_INFINIBAND, PeerEntry, PeerMode, PeerPin, PeerTraffic, Policy,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -13,7 +15,7 @@ use crate::{
     attach::{self, AttachError, AttachState},
     clock::monotonic_ns,
     maps::{self, DatapathMaps, PeerCacheCounts},
-    policy::{Mode, Pin, format_size},
+    policy::{Mode, format_size},
 };
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,7 +73,7 @@ impl PolicyView {
     /// As a policy file that `set-policy IFACE --file` reads back unchanged: one setting per
     /// line, the pins (`pins`: address and pin, `auto` left out) last, what no key sets as
     /// comments.
-    pub fn render_file(&self, iface: &str, pins: &[(String, Pin)]) -> String {
+    pub fn render_file(&self, iface: &str, pins: &[(String, PeerPin)]) -> String {
         let mut out = format!(
             "# ipoib-ctl show-policy {iface} (link {}); `ipoib-ctl set-policy {iface} --file \
              FILE` reads it back\nmode={}\ncm-threshold={}\nheartbeat-timeout={}ms\n\
@@ -91,7 +93,7 @@ impl PolicyView {
             Some(n) => out.push_str(&format!("max-connections={n}\n")),
             None => out.push_str("# max-connections: as many as the memory plan allows\n"),
         }
-        for (addr, pin) in pins.iter().filter(|(_, pin)| *pin != Pin::Auto) {
+        for (addr, pin) in pins.iter().filter(|(_, pin)| *pin != PeerPin::Auto) {
             if addr.contains(':') {
                 out.push_str(&format!("peer=[{addr}]:{pin}\n"));
             } else {
@@ -109,7 +111,7 @@ pub struct PeerView {
     pub mode: PeerModeView,
     /// In JSON by its `set-policy` name: "auto", "ud", "cm" or "block".
     #[serde(with = "pin_by_name")]
-    pub pin: Pin,
+    pub pin: PeerPin,
     pub cm_ifindex: u32,
     pub generation: u32,
     #[serde(flatten)]
@@ -310,19 +312,19 @@ impl TryFrom<String> for ModeView {
     }
 }
 
-/// A [`Pin`] in JSON by its `set-policy` name (ipoib-common, shared with eBPF, has no serde).
+/// A [`PeerPin`] in JSON by its `set-policy` name (ipoib-common, shared with eBPF, has no serde).
 mod pin_by_name {
     use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
 
-    use super::Pin;
+    use super::PeerPin;
 
-    pub fn serialize<S: Serializer>(pin: &Pin, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer>(pin: &PeerPin, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(pin)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Pin, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PeerPin, D::Error> {
         let name = String::deserialize(d)?;
-        [Pin::Auto, Pin::Ud, Pin::Cm, Pin::Block]
+        [PeerPin::Auto, PeerPin::Ud, PeerPin::Cm, PeerPin::Block]
             .into_iter()
             .find(|p| p.to_string() == name)
             .ok_or_else(|| D::Error::custom(format!("not a pin: `{name}`")))
@@ -355,7 +357,7 @@ pub fn peers(maps: &DatapathMaps) -> Result<Vec<PeerView>, AttachError> {
             addr: ip.to_string(),
             mode: e.map_or(PeerModeView::Unseen, |e| PeerModeView::of(e.mode)),
             pin: e
-                .and_then(|e| Pin::try_from(e.pin).ok())
+                .and_then(|e| PeerPin::try_from(e.pin).ok())
                 .unwrap_or_default(),
             cm_ifindex: e.map_or(0, |e| e.cm_ifindex),
             generation: e.map_or(0, |e| e.generation),
@@ -808,7 +810,7 @@ mod tests {
         let mut s = status();
         s.policy.mode = ModeView::Known(Mode::Connected);
         s.peers = vec![PeerView {
-            pin: Pin::Block,
+            pin: PeerPin::Block,
             ..peer("10.0.0.9")
         }];
         let mut c = cm::CmStatus {
@@ -864,7 +866,7 @@ mod tests {
         }
         assert_eq!(ModeView::Unknown(9).to_string(), "unknown(9)");
         assert!(serde_json::from_str::<ModeView>("\"fast\"").is_err());
-        for p in [Pin::Auto, Pin::Ud, Pin::Cm, Pin::Block] {
+        for p in [PeerPin::Auto, PeerPin::Ud, PeerPin::Cm, PeerPin::Block] {
             let view = PeerView {
                 pin: p,
                 ..peer("10.0.0.9")
@@ -883,7 +885,7 @@ mod tests {
             assert_eq!(serde_json::to_value(k).unwrap(), name);
         }
         // A pin pads in the peers table's column.
-        assert_eq!(format!("{:<5}|", Pin::Cm), "cm   |");
+        assert_eq!(format!("{:<5}|", PeerPin::Cm), "cm   |");
     }
 
     #[test]
@@ -1021,9 +1023,9 @@ mod tests {
         let file = p.render_file(
             "ib0",
             &[
-                ("10.0.0.7".into(), Pin::Ud),
-                ("10.0.0.8".into(), Pin::Auto),
-                ("fd00::9".into(), Pin::Block),
+                ("10.0.0.7".into(), PeerPin::Ud),
+                ("10.0.0.8".into(), PeerPin::Auto),
+                ("fd00::9".into(), PeerPin::Block),
             ],
         );
         let lines: Vec<&str> = file.lines().filter(|l| !l.starts_with('#')).collect();
@@ -1061,7 +1063,7 @@ mod tests {
         PeerView {
             addr: addr.into(),
             mode: PeerModeView::Ud,
-            pin: Pin::Auto,
+            pin: PeerPin::Auto,
             cm_ifindex: 0,
             generation: 0,
             traffic: TrafficView::default(),

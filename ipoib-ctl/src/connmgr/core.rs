@@ -18,14 +18,12 @@ use std::{
     net::IpAddr,
 };
 
-use ipoib_common::PeerMode;
+use ipoib_common::{PeerMode, PeerPin};
 
 pub use crate::cm::Gone;
 use crate::{
     policy::Mode,
-    promotion::{
-        Action, Demotion, Failure, LastFailure, Pin, Promoter, Sample, State, UdPath, UdWhy,
-    },
+    promotion::{Action, Demotion, Failure, LastFailure, Promoter, Sample, State, UdPath, UdWhy},
     status::cm::CmPeerState,
 };
 
@@ -61,7 +59,7 @@ pub struct TickInput {
     pub ud_path: Option<UdPath>,
     /// The cap in force: the plan's, lowered by policy `max-connections`.
     pub max_connections: usize,
-    pub pins: Vec<(IpAddr, Pin)>,
+    pub pins: Vec<(IpAddr, PeerPin)>,
     /// Per peer: packets and bytes sent (UD and CM), and bytes sent over CM.
     pub traffic: Vec<(IpAddr, Traffic)>,
     /// Receive buffers posted on the SRQ now.

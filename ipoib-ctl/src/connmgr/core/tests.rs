@@ -355,7 +355,7 @@ fn pins_reach_the_policy() {
         TickInput {
             mode: Some(Mode::Auto),
             max_connections: 4,
-            pins: vec![(ip(5), Pin::Cm)],
+            pins: vec![(ip(5), PeerPin::Cm)],
             srq_posted: 256,
             ..TickInput::default()
         },
