@@ -21,7 +21,7 @@ use std::{
     collections::HashMap,
     io,
     net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{
         Arc, Weak,
         atomic::{AtomicU64, Ordering},
@@ -29,34 +29,31 @@ use std::{
     time::Duration,
 };
 
-use ipoib_common::{PeerEntry, PeerKey, PeerMode, PeerPin};
+use ipoib_common::{PeerEntry, PeerKey, PeerMode};
 use tokio::{
-    io::{Interest, unix::AsyncFd},
-    sync::{mpsc, oneshot, watch},
+    io::unix::AsyncFd,
+    sync::{mpsc, oneshot},
     task::JoinHandle,
 };
 
 pub use self::core::{CmPeer, Command, Core, TickInput, Traffic};
-use self::engine_task::{EngineTask, make_engines, spawn_engine, stop_engine, task_end};
+use self::engine_task::{EngineTask, stop_engine, task_end};
 use self::start::{cap, pins};
 pub use self::start::{listen, live_cap, probe};
 use crate::{
     clock::monotonic_ns,
-    cm::{Cm, Connection, Gone, Resolve, SetupConfig, SetupError},
-    engine::{
-        Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, Fault,
-        HOUSEKEEPING, RawFdRef, Route,
-    },
+    cm::{Cm, Connection, Gone, Resolve, SetupError},
+    engine::{EngineEvent, EngineStats, Fault, HOUSEKEEPING, RawFdRef, Route},
     ledger::Ledger,
     maps::DatapathMaps,
     netdev, path,
-    plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind, SrqChoice},
+    plan::SrqChoice,
     policy::Mode,
-    promotion::{Config as PromotionConfig, Failure, Promoter, UdPath},
-    rtnl::{self, AddressMirror, Rtnl},
+    promotion::{Config as PromotionConfig, Failure, UdPath},
+    rtnl::{AddressMirror, Rtnl},
     status::cm::{CmStatus, FailureStatus, NodeBudget, PeerStatus, ReceiveKind, ReceiveStatus},
     tun::Tun,
-    verbs::{self, AsyncEvent, Device, Receive, ReceiveModel, Resources, VerbsError},
+    verbs::{self, AsyncEvent, Device, Receive, Resources},
 };
 
 /// What `attach` passes in.

@@ -1,6 +1,7 @@
 //! `cargo xtask shape`: the checks a newcomer's way in rests on (docs/architecture.md): the
 //! control plane's modules import in one direction, no source file is over 800 lines outside
-//! its tests, and README.md is a user's guide of under 300 lines. Each is a unit test too.
+//! its tests, a child module names what it takes from its parent (no `use super::*` outside
+//! tests), and README.md is a user's guide of under 300 lines. Each is a unit test too.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -168,7 +169,24 @@ pub fn long_files(root: &Path) -> Result<Vec<(PathBuf, usize)>> {
     Ok(out)
 }
 
-/// Runs the three checks, printing each; fails if any does.
+/// Whether `code` (a file's, tests and comments left out) takes all of its parent's names.
+fn has_parent_glob(code: &str) -> bool {
+    code.lines().any(|l| l.trim() == "use super::*;")
+}
+
+/// The control plane's source files that take their parent's names by a glob outside their
+/// tests: a reader cannot tell from them where a name comes from.
+pub fn parent_globs(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for f in rust_files(&root.join("ipoib-ctl/src"))? {
+        if has_parent_glob(&code_of(&f, &std::fs::read_to_string(&f)?)) {
+            out.push(f.strip_prefix(root)?.to_path_buf());
+        }
+    }
+    Ok(out)
+}
+
+/// Runs the four checks, printing each; fails if any does.
 pub fn run(root: &Path) -> Result<()> {
     let mut failed = Vec::new();
     let graph = module_graph(&root.join("ipoib-ctl/src"))?;
@@ -191,6 +209,16 @@ pub fn run(root: &Path) -> Result<()> {
             println!("        {n:>5}  {}", f.display());
         }
         failed.push("long files");
+    }
+    let globs = parent_globs(root)?;
+    if globs.is_empty() {
+        println!("ok    no module of ipoib-ctl takes its parent's names by `use super::*`");
+    } else {
+        println!("FAIL  `use super::*` outside tests (name what is taken):");
+        for f in &globs {
+            println!("        {}", f.display());
+        }
+        failed.push("glob imports");
     }
     let readme = std::fs::read_to_string(root.join("README.md"))?
         .lines()
@@ -255,6 +283,21 @@ mod tests {
         let graph = module_graph(&root().join("ipoib-ctl/src")).unwrap();
         assert!(graph.contains_key("connmgr") && graph["connmgr"].contains("engine"));
         assert_eq!(find_cycle(&graph), None, "{graph:#?}");
+    }
+
+    #[test]
+    fn a_parent_glob_counts_outside_tests_only() {
+        let text = "use super::{A, b};\nfn f() {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}";
+        assert!(!has_parent_glob(&code_of(Path::new("x.rs"), text)));
+        assert!(has_parent_glob(&code_of(
+            Path::new("x.rs"),
+            &format!("//! Docs.\n\nuse super::*;\n{text}")
+        )));
+        assert!(!has_parent_glob(&code_of(
+            Path::new("a/tests.rs"),
+            "use super::*;"
+        )));
+        assert!(parent_globs(&root()).unwrap().is_empty());
     }
 
     #[test]

@@ -1,7 +1,15 @@
 //! The engine's tasks: one lane on the control loop's thread, or a thread per lane behind one
 //! task; how they end, and how they are stopped.
 
-use super::*;
+use std::{io, sync::Arc, time::Duration};
+
+use tokio::{
+    sync::{mpsc, oneshot, watch},
+    task::JoinHandle,
+};
+
+use super::{CmError, Resources, Tun};
+use crate::engine::{Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats};
 
 /// The running engine (its lanes') and how to stop it.
 pub(super) struct EngineTask {

@@ -2,7 +2,39 @@
 //! the memory plan, the TUN device and its netlink settings, the engine, the handshake
 //! listener and the device's events; and the cap the policy may lower.
 
-use super::*;
+use std::{
+    collections::HashMap,
+    io,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    sync::Arc,
+    time::Duration,
+};
+
+use ipoib_common::{PeerEntry, PeerKey, PeerMode, PeerPin};
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    sync::mpsc,
+};
+
+use super::{
+    CmError, CmOptions, Command, Core, GSO_MAX_SIZE, LinkChanges, Manager,
+    engine_task::{make_engines, spawn_engine},
+};
+use crate::{
+    clock::monotonic_ns,
+    cm::{Cm, Resolve, SetupConfig},
+    engine::RawFdRef,
+    ledger::Ledger,
+    maps::DatapathMaps,
+    netdev,
+    plan::{self, CM_BUF_SIZE, CM_BUF_STRIDE, PlanKind},
+    policy::Mode,
+    promotion::{Promoter, UdPath},
+    rtnl::{self, AddressMirror, Rtnl},
+    tun::Tun,
+    verbs::{self, Device, Receive, ReceiveModel, Resources, VerbsError},
+};
 
 impl Manager {
     /// Sets connected mode up on `iface` (attached, its maps pinned in `pin_dir`): the plan,

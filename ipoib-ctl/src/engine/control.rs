@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::verbs::{RcQueuePair, VerbsError};
 
-use super::*;
+use super::SendEnd;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

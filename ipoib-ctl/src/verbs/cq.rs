@@ -13,7 +13,7 @@ use std::{
 
 use ibverbs_sys as ffi;
 
-use super::*;
+use super::{Context, Device, POLL_MAX, VerbsError, wait_readable};
 
 /// The bit [`RcQueuePair::post_sends`] sets in every send's work request id, and
 /// [`CompletionQueue::poll`] takes off again: what tells a send's completion from a receive's.

@@ -4,7 +4,7 @@ use std::{io, os::fd::RawFd, ptr, sync::Arc, time::Duration};
 
 use ibverbs_sys as ffi;
 
-use super::*;
+use super::{DeviceList, ProtectionDomain, RcEndpoint, VerbsError, wait_readable};
 use crate::path::{LinkLayer, PortEvent, PortState};
 
 /// An open device context, closed when the last object made from it is gone.

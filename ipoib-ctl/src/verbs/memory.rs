@@ -4,7 +4,7 @@ use std::{io, sync::Arc};
 
 use ibverbs_sys as ffi;
 
-use super::*;
+use super::{Context, VerbsError};
 
 pub struct ProtectionDomain {
     pub(super) pd: *mut ffi::ibv_pd,

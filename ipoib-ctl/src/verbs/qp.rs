@@ -7,7 +7,10 @@ use std::{
 
 use ibverbs_sys as ffi;
 
-use super::*;
+use super::{
+    Context, DRAIN_WR_ID, Lane, MemoryRegion, POST_CHAIN_MAX, PortAddress, ProtectionDomain,
+    RecvRing, SEND_WR_ID, SharedReceiveQueue, VerbsError, post_receives,
+};
 use crate::path::{AddressVector, Endpoint, LinkLayer};
 
 /// The far end of an RC connection, as the handshake carries it.

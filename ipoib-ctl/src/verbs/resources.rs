@@ -10,7 +10,10 @@ use std::{
     time::Duration,
 };
 
-use super::*;
+use super::{
+    CompletionQueue, Device, MemoryRegion, PortAddress, ProtectionDomain, RcQueuePair, Receive,
+    ReceiveModel, RingPool, SharedReceiveQueue, VerbsError,
+};
 
 /// What every connection of a node shares: the PD, where receives land (the SRQ, or the pool
 /// of per-connection rings), the registered send slots, the port's address, and its lanes:
@@ -166,8 +169,10 @@ pub(super) fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
 
 #[cfg(test)]
 mod tests {
+    use ibverbs_sys as ffi;
+
     use super::*;
-    use crate::verbs::wr_id;
+    use crate::verbs::{Completion, RcTiming, SEND_WR_ID, rnr_timer_us, wr_id};
 
     /// A receive that failed has no opcode to trust (soft-RoCE leaves 0, `IBV_WC_SEND`): its
     /// id says receive, and names its ring and slot. A send, failed or not, gives back the id

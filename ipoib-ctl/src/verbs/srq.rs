@@ -10,7 +10,7 @@ use std::{
 
 use ibverbs_sys as ffi;
 
-use super::*;
+use super::{Context, MemoryRegion, ProtectionDomain, VerbsError, wr_id};
 
 /// Sends one provider call takes at most in [`RcQueuePair::post_sends`] (its chain is built
 /// on the stack; longer lists go in several calls).
