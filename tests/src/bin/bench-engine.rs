@@ -52,8 +52,9 @@ struct Args {
     /// Seconds per measurement.
     #[arg(long, default_value_t = 8)]
     seconds: u32,
-    /// Interleaved rounds (CM, then UD); the median of each is reported.
-    #[arg(long, default_value_t = 3)]
+    /// Interleaved rounds (CM, then UD); the median of each is reported (at least 5: one
+    /// round in three can be far off under emulation).
+    #[arg(long, default_value_t = 5)]
     rounds: u32,
     /// Parallel TCP streams (iperf3 -P): more offered to the engine than one stream's window.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
