@@ -444,20 +444,40 @@ fn attach_egress(dp: &mut Datapath, dev: &Netdev, dir: &Path) -> Result<EgressAt
             });
         }
     }
-    let id = egress
-        .attach(iface, TcAttachType::Egress)
-        .map_err(prog_err("ipoib_egress", iface))?;
-    let link = egress
-        .take_link(id)
-        .map_err(prog_err("ipoib_egress", iface))?;
-    // A netlink filter has no link to pin: it stays attached because we drop no link for it
-    // (the conversion consumes and releases the handle without detaching).
+    if attach_tc(
+        egress,
+        "ipoib_egress",
+        iface,
+        TcAttachType::Egress,
+        dir,
+        LINK_EGRESS,
+    )? {
+        Ok(EgressAttach::Tcx)
+    } else {
+        Ok(EgressAttach::Netlink)
+    }
+}
+
+/// Attaches TC program `prog` (`name`, pinned already) at `at` on `iface`, and pins its link
+/// as `link_pin` under `dir` where it has one: true for a TCX link, false for a netlink
+/// filter, which stays attached because no link of it is dropped (the conversion consumes
+/// and releases the handle without detaching).
+fn attach_tc(
+    prog: &mut SchedClassifier,
+    name: &'static str,
+    iface: &str,
+    at: TcAttachType,
+    dir: &Path,
+    link_pin: &str,
+) -> Result<bool> {
+    let id = prog.attach(iface, at).map_err(prog_err(name, iface))?;
+    let link = prog.take_link(id).map_err(prog_err(name, iface))?;
     match FdLink::try_from(link) {
         Ok(fd) => {
-            fd.pin(dir.join(LINK_EGRESS)).map_err(bpffs_err)?;
-            Ok(EgressAttach::Tcx)
+            fd.pin(dir.join(link_pin)).map_err(bpffs_err)?;
+            Ok(true)
         }
-        Err(_) => Ok(EgressAttach::Netlink),
+        Err(_) => Ok(false),
     }
 }
 
@@ -502,16 +522,14 @@ fn attach_ingress(
     if hook == IngressHook::Tc {
         let ingress = dp.ingress_tc()?;
         ingress.pin(dir.join(PROG_INGRESS)).map_err(bpffs_err)?;
-        let id = ingress
-            .attach(iface, TcAttachType::Ingress)
-            .map_err(prog_err("ipoib_tcingress", iface))?;
-        let link = ingress
-            .take_link(id)
-            .map_err(prog_err("ipoib_tcingress", iface))?;
-        // As on egress: a netlink filter has no link to pin.
-        if let Ok(fd) = FdLink::try_from(link) {
-            fd.pin(dir.join(LINK_INGRESS)).map_err(bpffs_err)?;
-        }
+        attach_tc(
+            ingress,
+            "ipoib_tcingress",
+            iface,
+            TcAttachType::Ingress,
+            dir,
+            LINK_INGRESS,
+        )?;
         return Ok(IngressAttach::Tc);
     }
     let ingress: &mut Xdp = dp.ingress()?;
