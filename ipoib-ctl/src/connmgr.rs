@@ -186,7 +186,7 @@ struct LinkChanges {
 }
 
 /// Connected mode on one interface. Built by [`Manager::start`]; fed by the control loop
-/// with [`Manager::next_input`] and [`Manager::handle`]; ended by [`Manager::shutdown`].
+/// with [`Manager::next_input`] and [`Manager::on_input`]; ended by [`Manager::shutdown`].
 pub struct Manager {
     /// First, so it is deregistered before the device context (in `dev`) can close its fd.
     device_events: AsyncFd<RawFdRef>,
@@ -297,7 +297,7 @@ impl Manager {
     }
 
     /// Handles one input, then carries out what the core decided.
-    pub fn handle(&mut self, input: Input) -> Result<(), CmError> {
+    pub fn on_input(&mut self, input: Input) -> Result<(), CmError> {
         match input {
             Input::Tick => self.on_tick()?,
             Input::Engine(e) => self.on_engine_event(e),

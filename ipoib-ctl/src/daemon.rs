@@ -251,7 +251,7 @@ impl Daemon<'_> {
                 let Some(m) = self.cm.manager() else {
                     return false;
                 };
-                let Err(e) = m.handle(input) else {
+                let Err(e) = m.on_input(input) else {
                     return false;
                 };
                 let the_ports = e.is_the_ports();
