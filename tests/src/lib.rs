@@ -11,6 +11,7 @@ pub mod perftest;
 pub mod programs;
 pub mod sandbox;
 pub mod sim;
+pub mod steps;
 
 use std::net::IpAddr;
 

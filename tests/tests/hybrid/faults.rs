@@ -24,9 +24,11 @@ on_receive_models!(
 /// down); B restarted, the flow returns to CM.
 fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let test = "a_killed_peer_falls_back_to_ud_and_returns_to_cm";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyk"), 2) else {
         return;
     };
+    steps.step("both attached, a bulk stream promoted");
     attach(&mut lab, Which::A, recv, &dev, &[]);
     let pid_b = attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
@@ -34,6 +36,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let stream = Stream::start(&a, &b, 5302);
     cm_up_within(&a, &b, PROMOTION, "promoted");
 
+    steps.step("B's loop killed: A falls back to UD, the stream goes on");
     lab.kill9(pid_b);
     let t = Instant::now();
     let fell = a
@@ -43,6 +46,7 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     goes_on_over_ud(&a, &b_ip, &fell);
     assert_eq!(cm_of(&a).connections, 0);
 
+    steps.step("B restarted without a stale CM entry: the flow back on CM");
     // B back: its entry for A, left CM_UP by the killed loop (pointing at a TUN device that
     // died with it), is UD again until a new connection is up.
     attach(&mut lab, Which::B, recv, &dev, &[]);
@@ -74,10 +78,12 @@ fn a_killed_peer_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
 #[test]
 fn the_nodes_own_crash_and_restart_stall_no_flow() {
     let test = "the_nodes_own_crash_and_restart_stall_no_flow";
+    let mut steps = Steps::new(test);
     let recv = Recv::Srq;
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyc", 2) else {
         return;
     };
+    steps.step("both attached (A with a 10 s deadline), a paced UDP flow and a stream on CM");
     let deadline = Duration::from_secs(10);
     let policy = PolicyFile::new("hyc", "heartbeat-timeout=10s\n");
     let a_args = ["--policy", policy.arg()];
@@ -97,6 +103,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
     );
     let gone0 = reason(&a.status().unwrap(), "tx_ud_cm_device_gone");
 
+    steps.step("A's loop killed: the flows go UD at once");
     let killed = Instant::now();
     let after_kill = sample_while(
         || stream.received(),
@@ -117,6 +124,7 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         last.as_ref()
             .and_then(|s| cm_peer(s, &b_ip).map(|p| p.why.clone()))
     );
+    steps.step("A's loop restarted: B promoted again");
     let restarted = Instant::now();
     let mut up_again = Duration::ZERO;
     let after_restart = sample_while(
@@ -137,6 +145,9 @@ fn the_nodes_own_crash_and_restart_stall_no_flow() {
         now.as_ref().map(|s| engine_count(s, "tx_congested")),
         now.as_ref().map(|s| engine_count(s, "tx_backpressure")),
         now.as_ref().map(|s| engine_count(s, "tx_no_connection")),
+    );
+    steps.step(
+        "no datagram twice, at most what the engine held lost, no flow stalled for the deadline",
     );
     let ended = Instant::now();
     let pace = udp.pace;
@@ -259,10 +270,12 @@ fn flood(
 #[test]
 fn a_flood_on_the_handshake_port_costs_nothing() {
     let test = "a_flood_on_the_handshake_port_costs_nothing";
+    let mut steps = Steps::new(test);
     let recv = Recv::Srq;
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyf", 3) else {
         return;
     };
+    steps.step("both attached, A's idle memory, tasks and descriptors");
     let pid_a = attach(&mut lab, Which::A, recv, &dev, &[]);
     attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b, c) = (lab.a.clone(), lab.b.clone(), lab.more[0].clone());
@@ -272,6 +285,7 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
     let secs: u32 = if long_run() { 20 } else { 10 };
     // Small datagrams every 2 ms, past the flood's end.
     let small = SmallUdp::start(&b, &a, 5350, (secs + 6) * 500);
+    steps.step("C floods A's handshake port; small UDP B -> A, then a stream");
     let start = Instant::now();
     let until = start + Duration::from_secs(secs.into());
     let port = a.status().unwrap().policy.ctl_port;
@@ -303,6 +317,7 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
         }
         looks.rest();
     }
+    steps.step("bounded waiting set, tasks, descriptors and memory; B promoted");
     let report = flooder.join().expect("flooder");
     let cm = cm_of(&a);
     eprintln!(
@@ -347,6 +362,7 @@ fn a_flood_on_the_handshake_port_costs_nothing() {
         on_cm_at < Duration::from_secs((secs + 10).into()),
         "B's setup came {on_cm_at:?} after the flood began"
     );
+    steps.step("no small datagram lost, the stream intact");
     std::thread::sleep(Duration::from_secs(2));
     let (sent, received) = small.finish();
     assert_eq!(received, sent, "small UDP lost under the flood");
@@ -406,9 +422,11 @@ fn cm_down_of(n: &Node, what: &str) -> String {
 ///   throughout.
 fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
     let test = "the_port_going_down_and_up_moves_connected_mode_with_it";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyq"), 2) else {
         return;
     };
+    steps.step("both attached with the port down: on UD, saying why");
     let netdev = rdma_netdev(&dev);
     assert_eq!(
         netdev.as_deref(),
@@ -435,6 +453,7 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
             n.ns
         );
     }
+    steps.step("still waiting a few looks later, under a stream");
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5303);
     // Looked at again each second, and still waiting.
@@ -443,6 +462,7 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
     assert!(why.contains("not ACTIVE"), "{why}");
     assert_eq!(starts(&a), 0, "{}", ctl_log(&a));
 
+    steps.step("the port up: connected mode on both, the flow promoted");
     set_link("rxev0", "up").unwrap();
     let t = Instant::now();
     let up = wait_until(Duration::from_secs(30), || {
@@ -463,6 +483,7 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
     let (starts_a, starts_b) = (starts(&a), starts(&b));
     assert_eq!((starts_a, starts_b), (1, 1), "A:\n{}", ctl_log(&a));
 
+    steps.step("a GID added to the port: no restart, the flow on CM");
     // A GID more in the port's table: ours is as it was.
     ipoib_tests::programs::sh_ok(&["ip", "addr", "add", "10.78.0.77/24", "dev", "rxev0"]);
     let said = wait_until(Duration::from_secs(10), || {
@@ -482,6 +503,7 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
     );
     ipoib_tests::programs::sh_ok(&["ip", "addr", "del", "10.78.0.77/24", "dev", "rxev0"]);
 
+    steps.step("the port down under the flow: connected mode stops, every peer UD");
     set_link("rxev0", "down").unwrap();
     let t = Instant::now();
     let fell = a
@@ -509,6 +531,7 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
     }
     goes_on_over_ud(&a, &b_ip, &fell);
 
+    steps.step("the port back: the flow returns to CM, the stream intact");
     drop(guard);
     returns_to_cm(&a, &b, Duration::from_secs(60), "the port's return");
     assert!(starts(&a) >= 2, "A:\n{}", ctl_log(&a));
@@ -532,9 +555,11 @@ fn the_port_going_down_and_up_moves_connected_mode_with_it(recv: Recv) {
 #[test]
 fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
     let test = "a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyo", 2) else {
         return;
     };
+    steps.step("attached (A mode=connected), a one-way UDP flow on CM");
     // 120 kB/s is below the bulk threshold: mode=connected asks CM for it.
     let policy = PolicyFile::new("hyo", "mode=connected\n");
     lab.attach(Which::A, &["--cm-device", &dev, "--policy", policy.arg()])
@@ -548,6 +573,7 @@ fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
     std::thread::sleep(Duration::from_secs(1));
     let before = cm_of(&a);
     let failures = |cm: &CmStatus| cm_peer(cm, &b_ip).map(|p| p.failures);
+    steps.step("B's handshake stream cut: A keeps the connection for four deadlines");
     nft(
         &b,
         "table inet hs {\n chain in {\n  type filter hook input priority 0; policy accept;\n  \
@@ -577,6 +603,7 @@ fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
         }
         looks.rest();
     }
+    steps.step("A heard B's keepalives on the connection");
     let after = cm_of(&a);
     nft(&b, "delete table inet hs");
     let (sent, got) = flow.finish();
@@ -599,9 +626,11 @@ fn a_one_way_flow_keeps_its_connection_while_the_handshake_stream_is_cut() {
 /// up. Unblocked, a retry after the backoff connects and the flow goes CM.
 fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     let test = "a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyp"), 2) else {
         return;
     };
+    steps.step("B's handshake port blocked, both attached, a stream");
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let nft = |script: &str| nft(&b, script);
@@ -612,6 +641,7 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
     attach(&mut lab, Which::B, recv, &dev, &[]);
     let stream = Stream::start(&a, &b, 5304);
 
+    steps.step("a setup given up, the stream on UD, no ring held");
     // Blocked: never CM, until a setup has been given up (timeouts: 4 steps of 2 s) and the
     // stream has moved on over UD.
     let start = a.peer(&b_ip).unwrap();
@@ -650,6 +680,7 @@ fn a_blocked_handshake_port_keeps_the_peer_on_ud_until_it_opens(recv: Recv) {
         "a given-up setup kept its ring: {:?}",
         cm_of(&a).receive
     );
+    steps.step("the port open: the flow on CM after the backoff");
     // Open again: promoted after the backoff.
     nft("delete table inet hs");
     let t = Instant::now();
@@ -686,9 +717,11 @@ impl Drop for Cont {
 /// and the flow returns to CM.
 fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     let test = "a_stalled_receiver_falls_back_to_ud_and_returns_to_cm";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hys"), 2) else {
         return;
     };
+    steps.step("both attached (B on a small plan), a stream on CM");
     let tiny = PolicyFile::new("hys-b", "memory-budget=16MiB\n");
     attach(&mut lab, Which::A, recv, &dev, &[]);
     let pid_b = attach(&mut lab, Which::B, recv, &dev, &["--policy", tiny.arg()]);
@@ -704,6 +737,7 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
     cm_up_within(&a, &b, PROMOTION, "promoted");
     std::thread::sleep(Duration::from_secs(2));
 
+    steps.step("B stopped: A falls back to UD, counts B's failure, the stream goes on");
     let resume = Cont(pid_b);
     // SAFETY: plain kill(2).
     assert_eq!(unsafe { libc::kill(pid_b as i32, libc::SIGSTOP) }, 0);
@@ -746,10 +780,12 @@ fn a_stalled_receiver_falls_back_to_ud_and_returns_to_cm(recv: Recv) {
         "nothing arrived while B was stopped"
     );
 
+    steps.step("B resumed: the flow back on CM, intact");
     drop(resume);
     returns_to_cm(&a, &b, Duration::from_secs(90), "B's resumption");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact, across CM -> UD -> CM", sent >> 20);
+    steps.step("mode=datagram: the engine forgets the connection's flow");
     // mode=datagram drains the connection; the engine forgets what it tracked for it.
     let flows = || engine_flows(&a);
     assert!(flows().is_some_and(|f| f >= 1), "A's engine tracks no flow");

@@ -37,7 +37,21 @@ use ipoib_tests::{
     lab::{Lab, Node, Which, lab_unavailable},
     long_run,
     pace::{Looks, wait_until},
+    steps::Steps,
 };
+
+/// Loose reverse-path filtering on each of `nodes`, as systemd sets it on most distributions
+/// (the lab sets 0): connected mode must make its TUN device pass it.
+fn loose_rp_filter(nodes: &[&Node]) {
+    for n in nodes {
+        let out = n
+            .cmd("sysctl")
+            .args(["-qw", "net.ipv4.conf.all.rp_filter=2"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}: rp_filter=2", n.ns);
+    }
+}
 
 /// `n`'s connected mode, which must run.
 fn cm_of(n: &Node) -> CmStatus {

@@ -76,9 +76,11 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
     const K: u64 = 1;
     const PEERS: usize = 3 * K as usize;
     let test = "a_plan_of_k_connections_holds_among_3k_peers_that_want_cm";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hym"), PEERS + 1) else {
         return;
     };
+    steps.step("A attached with a plan of K, its 3K peers wanting CM, each streaming to A");
     let budget = match recv {
         Recv::Srq => "16MiB",
         Recv::Rings => "14MiB",
@@ -106,6 +108,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
         .map(|(i, p)| Stream::start(p, &a, 5310 + i as u16))
         .collect();
 
+    steps.step("the window: never more than K connections, QPs or receive memory past the plan");
     // 15 s of everyone wanting CM (30 under `--long`). A's live connections, and the RC QPs on
     // the device: both ends of each connection, and a refused peer's setup under way (an
     // initiator makes its QP before it sends the REQ; it is destroyed on the REJ).
@@ -159,6 +162,7 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
             window - mid_at
         );
     }
+    steps.step("the peers past the plan on UD, every stream moving");
     // Bytes by path at A's peers: some CM (the plan used), and the peers past it on UD.
     let mut on_ud = 0;
     for p in &peers {
@@ -174,7 +178,9 @@ fn a_plan_of_k_connections_holds_among_3k_peers_that_want_cm(recv: Recv) {
         on_ud >= PEERS - K as usize,
         "{on_ud} of {PEERS} peers on UD with a plan of {K}"
     );
+    steps.step("the cap raised to 3 and lowered again on the running loop");
     cap_raised_and_lowered(&a, &peers, &mut mem);
+    steps.step("every stream intact");
     for s in streams {
         let sent = s.finish();
         assert!(sent > 1 << 20, "{sent} bytes");

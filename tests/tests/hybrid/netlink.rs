@@ -37,18 +37,15 @@ fn ipv4_on(n: &Node, dev: &str) -> Vec<String> {
 #[test]
 fn connected_mode_follows_the_interface_over_netlink_and_runs_no_program() {
     let test = "connected_mode_follows_the_interface_over_netlink_and_runs_no_program";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hnl", 2) else {
         return;
     };
     let (a, b) = (lab.a.clone(), lab.b.clone());
-    for n in [&a, &b] {
-        let out = n
-            .cmd("sysctl")
-            .args(["-qw", "net.ipv4.conf.all.rp_filter=2"])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-    }
+    steps.step(
+        "A attached with a PATH of nsenter only: gso_max_size 65000, its address on the TUN device",
+    );
+    loose_rp_filter(&[&a, &b]);
     let gso_before = gso_max_size(&a);
     let bin = std::env::temp_dir().join("hnl-path");
     let _ = std::fs::remove_dir_all(&bin);
@@ -73,10 +70,12 @@ fn connected_mode_follows_the_interface_over_netlink_and_runs_no_program() {
     assert_eq!(gso_during, 65000);
     assert_eq!(ipv4_on(&a, &tun), std::slice::from_ref(&own));
 
+    steps.step("a bulk stream promoted to CM");
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5395);
     a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(15))
         .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", cm_of(&a), ctl_log(&a)));
+    steps.step("an address added to A's interface and removed: the TUN device follows");
     // An address added to the interface, then the first one removed and put back.
     let extra = "10.79.0.1";
     let addr_on_a = |change: &str, addr: &str| {
@@ -101,6 +100,7 @@ fn connected_mode_follows_the_interface_over_netlink_and_runs_no_program() {
     });
     eprintln!("{extra} off {tun} after {:.0?}", t.elapsed());
     assert!(removed, "{:?}\n{}", ipv4_on(&a, &tun), ctl_log(&a));
+    steps.step("the stream intact, over CM");
     let sent = stream.finish();
     let p = a.peer(&b_ip).unwrap().expect("A knows B");
     eprintln!(
@@ -110,6 +110,7 @@ fn connected_mode_follows_the_interface_over_netlink_and_runs_no_program() {
     );
     assert!(p.traffic.tx_cm_bytes > 1 << 20, "{p:?}");
 
+    steps.step("A detached: gso_max_size as it was");
     let out = a.ctl(&["detach", &a.iface]).unwrap();
     assert!(out.status.success());
     let restored = wait_until(Duration::from_secs(10), || gso_max_size(&a) == gso_before);

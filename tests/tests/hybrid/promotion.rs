@@ -15,19 +15,13 @@ on_receive_models!(
 /// rings are freed (the kernel's counts); detached, A's TUN device goes.
 fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     let test = "bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyb"), 2) else {
         return;
     };
-    // Loose reverse-path filtering, as systemd sets it on most distributions (the lab sets 0,
-    // which the other test keeps): connected mode must make the TUN device pass it.
-    for n in [&lab.a, &lab.b] {
-        let out = n
-            .cmd("sysctl")
-            .args(["-qw", "net.ipv4.conf.all.rp_filter=2"])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-    }
+    steps.step("both nodes attached, B reaping connections idle for 2 s");
+    // Loose reverse-path filtering (other tests keep the lab's 0).
+    loose_rp_filter(&[&lab.a, &lab.b]);
     let pid_a = attach(&mut lab, Which::A, recv, &dev, &[]);
     // B reaps connections idle for 2 s: the one A sends the stream over must not look idle to
     // B, which only receives over it (its ACKs are small: UD).
@@ -44,6 +38,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     // The kernel's view of each node's memory regions with no connection.
     let [mrs_a, mrs_b] = mrs_of_each([pid_a, pid_b]);
 
+    steps.step("a bulk stream A -> B promoted to CM, on one thread");
     let stream = Stream::start(&a, &b, 5301);
     // Promotion: B becomes cm_up at A within a few ticks of the flow starting.
     let t0 = Instant::now();
@@ -60,6 +55,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     eprintln!("A's control loop (pid {pid}) runs {threads} thread(s) with a connection up");
     assert_eq!(threads, 1, "A's attach runs {threads} threads");
     std::thread::sleep(Duration::from_secs(4));
+    steps.step("pings and small UDP beside the stream: UD, none lost");
     // Mixed traffic while the stream rides CM: pings and small UDP datagrams are small, so UD
     // (the fast path's `tx_ud_small`), and none is lost.
     let small = |s: &Status| reason(s, "tx_ud_small");
@@ -101,6 +97,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
         cm_of(&a).engine
     );
     eprintln!("small traffic beside the stream: UD, none lost");
+    steps.step("B streams back to A over the same connection");
     // The other direction too: B streams to A over the connection it accepted (its map says
     // CM for A once its engine routes A's address to it), checked byte for byte at A.
     let a_ip = a.ip4.to_string();
@@ -146,6 +143,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
         "B's stream to A hardly went CM: {back_to:?}"
     );
 
+    steps.step("most of the stream went CM");
     let end = a.peer(&b_ip).unwrap().unwrap();
     let (t0, t1) = (&at_promotion.traffic, &end.traffic);
     let (cm, ud) = (
@@ -209,6 +207,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
     // it (it reaps after 2 s idle, and counts what it receives).
     assert_eq!(b_during.connections, 1, "{b_during:#?}");
 
+    steps.step("idle: the connection reaped, its QPs and rings freed");
     // Idle now: B reaps the connection (after 2 s), A sees it close; each side's QP goes, and
     // with it (without an SRQ) its receive ring: the kernel's counts are back where they were.
     let reaped = wait_until(Duration::from_secs(15), || {
@@ -229,6 +228,7 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
         [mrs_a, mrs_b],
         "a reaped ring lingers"
     );
+    steps.step("A detached: its TUN device gone, A UD at B");
     // Detach A: its control loop stops connected mode and A's TUN device goes; B says A is
     // UD. Then everything: QPs back to where they were.
     let out = a.ctl(&["detach", &a.iface]).unwrap();
@@ -259,14 +259,17 @@ fn bulk_tcp_is_promoted_to_cm_and_small_traffic_stays_on_ud(recv: Recv) {
 #[test]
 fn an_ipv6_peer_is_promoted_too() {
     let test = "an_ipv6_peer_is_promoted_too";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hy6", 2) else {
         return;
     };
+    steps.step("both attached");
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b6: std::net::Ipv6Addr = b.ip6.parse().unwrap();
     let key = b6.to_string();
+    steps.step("a bulk stream to B's IPv6 address promoted");
     let stream = Stream::start_to(&a, &b, std::net::SocketAddr::new(b6.into(), 5306));
     let at = a
         .wait_peer_mode(&key, PeerModeView::CmUp, Duration::from_secs(15))
@@ -276,6 +279,7 @@ fn an_ipv6_peer_is_promoted_too() {
                 a.cm().unwrap()
             )
         });
+    steps.step("the stream on CM");
     std::thread::sleep(Duration::from_secs(4));
     let later = a.peer(&key).unwrap().unwrap();
     let (cm, ud) = (
@@ -312,9 +316,11 @@ fn an_ipv6_peer_is_promoted_too() {
 #[test]
 fn connected_mode_is_set_up_in_the_interfaces_partition() {
     let test = "connected_mode_is_set_up_in_the_interfaces_partition";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyk", 2) else {
         return;
     };
+    steps.step("the port's P_Key table, read from sysfs");
     let dir = format!("/sys/class/infiniband/{dev}/ports/1/pkeys");
     let table: Vec<u16> = (0..)
         .map_while(|i| std::fs::read_to_string(format!("{dir}/{i}")).ok())
@@ -336,6 +342,9 @@ fn connected_mode_is_set_up_in_the_interfaces_partition() {
         vec!["--cm-pkey".to_string(), format!("{absent:#06x}")],
         vec!["--cm-port".to_string(), "2".to_string()],
     ];
+    steps.step(
+        "a partition the port is not in, and a port the device lacks: refused, nothing attached",
+    );
     for extra in cases {
         let mut args = vec!["attach", &a.iface, "--cm-device", &dev];
         args.extend(extra.iter().map(String::as_str));
@@ -352,6 +361,7 @@ fn connected_mode_is_set_up_in_the_interfaces_partition() {
             String::from_utf8_lossy(&st.stdout)
         );
     }
+    steps.step("attached in the default partition as a limited member names it");
     // The default partition as a limited member would name it.
     let limited = format!("{:#06x}", default & 0x7fff);
     lab.attach(Which::A, &["--cm-device", &dev, "--cm-pkey", &limited])
@@ -359,6 +369,7 @@ fn connected_mode_is_set_up_in_the_interfaces_partition() {
     lab.attach(Which::B, &["--cm-device", &dev, "--cm-pkey", &limited])
         .unwrap();
     let b_ip = b.ip4.to_string();
+    steps.step("a bulk stream promoted and carried over CM");
     let stream = Stream::start(&a, &b, 5380);
     a.wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(20))
         .unwrap_or_else(|| panic!("not promoted: {:#?}\n{}", a.cm().unwrap(), ctl_log(&a)));
@@ -387,16 +398,19 @@ fn connected_mode_is_set_up_in_the_interfaces_partition() {
 #[test]
 fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
     let test = "a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyt", 3) else {
         return;
     };
     let (a, b) = (lab.a.clone(), lab.b.clone());
+    steps.step("attached with TSO on A: its UD path offloaded, B's per-packet");
     a.set_tso(true).unwrap();
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     lab.attach(Which::B, &["--cm-device", &dev]).unwrap();
     assert_eq!(cm_of(&a).ud_path, UdPath::Offloaded, "{:#?}", cm_of(&a));
     assert_eq!(cm_of(&b).ud_path, UdPath::PerPacket, "{:#?}", cm_of(&b));
     let b_ip = b.ip4.to_string();
+    steps.step("a bulk stream stays on UD for 8 s, and A says why");
     let stream = Stream::start(&a, &b, 5335);
     // Promotion on a per-packet path takes 2-3 ticks of bulk traffic; give it 8.
     let before = wait_until(Duration::from_secs(10), || a.peer(&b_ip).unwrap().is_some());
@@ -430,6 +444,7 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
         "{human}"
     );
 
+    steps.step("TSO off under the flow: B promoted");
     a.set_tso(false).unwrap();
     let t = Instant::now();
     let up = a
@@ -448,6 +463,7 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
         "{}",
         ctl_log(&a)
     );
+    steps.step("the stream goes on over CM, intact");
     std::thread::sleep(Duration::from_secs(3));
     let later = a.peer(&b_ip).unwrap().unwrap();
     assert!(
@@ -466,9 +482,11 @@ fn a_ud_path_that_segments_in_the_device_keeps_bulk_traffic_on_ud() {
 #[test]
 fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
     let test = "a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hnr", 2) else {
         return;
     };
+    steps.step("only A attached, mode=connected");
     let policy = PolicyFile::new("hnr", "mode=connected\n");
     attach(
         &mut lab,
@@ -479,6 +497,7 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
     );
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
+    steps.step("A's setups to B refused: its status says B runs no ipoib-hybrid");
     let stream = Stream::start(&a, &b, 5390);
     let mut seen = None;
     let said = wait_until(Duration::from_secs(30), || {
@@ -510,6 +529,7 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
             "B's setup failure shown as: {said} ({p:?})"
         );
     }
+    steps.step("the stream goes on over UD, intact");
     // UD, or cm_pending while a retry after the backoff runs (its packets go UD meanwhile).
     let view = a.peer(&b_ip).unwrap().expect("A knows B");
     assert_ne!(view.mode, PeerModeView::CmUp, "{view:?}");
@@ -528,9 +548,11 @@ fn a_peer_without_ipoib_hybrid_is_shown_as_such_and_stays_ud() {
 fn connected_mode_runs_with_only_the_units_capabilities() {
     use ipoib_tests::sandbox::{unit_capabilities, wrapper};
     let test = "connected_mode_runs_with_only_the_units_capabilities";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hyc", 2) else {
         return;
     };
+    steps.step("both attached with only the unit's capabilities and memlock limit");
     let dir = std::env::temp_dir().join(format!("ipoib-{test}-{}", std::process::id()));
     let confined = wrapper(&dir.join("ipoib-ctl"), &unit_capabilities());
     ipoib_tests::sandbox::bpffs_mounted();
@@ -540,6 +562,7 @@ fn connected_mode_runs_with_only_the_units_capabilities() {
             .unwrap();
     }
     let key = b.ip4.to_string();
+    steps.step("a bulk stream promoted and carried over RC");
     let stream = Stream::start(&a, &b, 5307);
     let at = a
         .wait_peer_mode(&key, PeerModeView::CmUp, Duration::from_secs(15))

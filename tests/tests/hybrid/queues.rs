@@ -42,10 +42,12 @@ fn a_shed_connection_on_two_lanes_drops_nothing_its_engine_held() {
 
 fn shed_under_flows(recv: Recv, lanes: u32) {
     let test = "a_shed_connection_drops_nothing_its_engine_held";
+    let mut steps = Steps::new(test);
     let tag = format!("{}{lanes}", recv.tag("hds"));
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &tag, 3) else {
         return;
     };
+    steps.step("A attached (mode=connected) and its two peers; a stream to each");
     let policy = PolicyFile::new(&tag, "mode=connected\n");
     let lanes_arg = lanes.to_string();
     let hold = [
@@ -84,6 +86,9 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
     let flows = || engine_flows(&a);
     let rounds = if long_run() { 5 } else { 3 };
     for round in 0..rounds as u64 {
+        steps.step(&format!(
+            "round {round}: both peers on CM, packets held for a window"
+        ));
         for ip in &ips {
             a.wait_peer_mode(ip, PeerModeView::CmUp, Duration::from_secs(30))
                 .unwrap_or_else(|| panic!("round {round}: {ip} not on CM:\n{}", ctl_log(&a)));
@@ -100,6 +105,9 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
             }
         };
         let pressed = pressed.elapsed();
+        steps.step(&format!(
+            "round {round}: the cap lowered to one: a connection shed, nothing dropped"
+        ));
         cap(1);
         // One connection closed, its flow forgotten once the engine let it go.
         assert!(
@@ -153,6 +161,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
                 cm.engine
             );
         }
+        steps.step(&format!("round {round}: both streams go on"));
         for (s, ip) in streams.iter().zip(&ips) {
             let at = s.received();
             assert!(
@@ -162,6 +171,7 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
         }
         cap(2);
     }
+    steps.step("both streams intact");
     for s in streams {
         let sent = s.finish();
         eprintln!(
@@ -180,9 +190,11 @@ fn shed_under_flows(recv: Recv, lanes: u32) {
 /// again once drained; every stream arrives intact.
 fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv) {
     let test = "an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyo"), 2) else {
         return;
     };
+    steps.step("socket buffers up to 64 MiB, both attached");
     for n in [&lab.a, &lab.b] {
         for k in ["net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"] {
             let out = n
@@ -197,6 +209,7 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
     attach(&mut lab, Which::B, recv, &dev, &[]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
+    steps.step("four streams promoted");
     // Every write of B's entry in A's peer map bumps its generation (from 0, before the
     // entry exists): counted from before the streams, as the overflow may come with the
     // promotion itself (seen in a CI run: overflowed, UD and back before the test looked).
@@ -204,6 +217,7 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
     let gen_before = generation();
     let streams: Vec<Stream> = (0..4).map(|i| Stream::start(&a, &b, 5320 + i)).collect();
     cm_up_within(&a, &b, PROMOTION, "promoted");
+    steps.step("A's connection queue overflows");
     // Big packets sent UD because the peer is not CM_UP (the fast path's reason counter):
     // from here on, only the overflow makes any.
     let not_up = |s: &Status| reason(s, "tx_ud_peer_not_up");
@@ -225,6 +239,7 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
         t.elapsed(),
         engine_count(&cm, "tx_backpressure")
     );
+    steps.step("B UD while the queue drains, then CM on the same connection");
     // While it drains the peer is UD, then CM again, on the same connection. How many big
     // packets meet the UD window depends on how long the drain takes: under emulation a small
     // overflow (a few packets past the bound) drains within the engine's own turn, before the
@@ -262,6 +277,7 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
         ctl_log(&b)
     );
     assert_eq!(engine_count(&cm, "send_errors"), 0, "{cm:#?}");
+    steps.step("each control loop kept its tick on time; every stream intact");
     // Under four bulk streams each node's thread still gave its control loop its tick on
     // time, give or take: the engine beside it yields between turns of completions.
     for n in [&a, &b] {
@@ -288,9 +304,11 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
 /// intact.
 fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Recv) {
     let test = "a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, &recv.tag("hyd"), 2) else {
         return;
     };
+    steps.step("both attached (B with test faults), a stream on CM");
     attach(&mut lab, Which::A, recv, &dev, &[]);
     attach(&mut lab, Which::B, recv, &dev, &["--test-faults"]);
     let (a, b) = (lab.a.clone(), lab.b.clone());
@@ -302,6 +320,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     // Every write of B's entry in A's peer map bumps its generation: UD and back is two.
     let generation = || a.peer(&b_ip).unwrap().expect("A knows B").generation;
     let gen_before = generation();
+    steps.step("B's engine paused 2 s under the stream");
     let fault = format!("/run/ipoib-ctl/{}.fault", b.iface);
     std::fs::write(&fault, "pause 2000").unwrap();
     // B takes the fault at its next tick (removing the file), then its engine pauses 2 s:
@@ -325,6 +344,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
         );
         looks.rest();
     }
+    steps.step("the stream back on CM, same connection, no send error, intact");
     let back = a
         .wait_peer_mode(&b_ip, PeerModeView::CmUp, Duration::from_secs(10))
         .unwrap_or_else(|| panic!("not back on CM after the pause: {:#?}", a.cm().unwrap()));

@@ -55,8 +55,15 @@ impl TwoRails {
         })
     }
 
-    /// Tears the lab down; both devices back to their baselines.
-    fn finish(mut self) {
+    /// Ends each rail's stream (checked intact), then tears the lab down; both devices back
+    /// to their baselines.
+    fn finish(mut self, streams: [Stream; 2]) {
+        let [t0, t1] = streams.map(Stream::finish);
+        eprintln!(
+            "{} MiB on rail 0, {} MiB on rail 1, intact",
+            t0 >> 20,
+            t1 >> 20
+        );
         self.lab.teardown();
         for (dev, baseline) in self.devs.iter().zip(&self.baselines) {
             settle(dev, baseline, COUNTED);
@@ -73,9 +80,13 @@ impl TwoRails {
 #[test]
 fn two_rails_each_run_connected_mode_on_their_own_device() {
     let test = "two_rails_each_run_connected_mode_on_their_own_device";
+    let mut steps = Steps::new(test);
     let Some(mut rails) = TwoRails::new(test, "hyw", Recv::Srq, &[]) else {
         return;
     };
+    steps.step(
+        "two rails attached on both nodes; a stream on each promoted, each on its own device",
+    );
     let [dev0, dev1] = rails.devs.clone();
     let [pid_a0, pid_a1] = rails.pids_a;
     let (a0, b0) = (rails.lab.a.clone(), rails.lab.b.clone());
@@ -105,6 +116,7 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
         "rail 1's connections are not all on {dev1}: {q1:?}"
     );
 
+    steps.step("A's rail-1 loop killed: rail 1 on UD, rail 0's connection untouched");
     let rail0 = cm_of(&a0);
     let before = a0.peer(&b0_ip).unwrap().unwrap();
     rails.lab.kill9(pid_a1);
@@ -136,13 +148,8 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
         (rail0.established, rail0.failed),
         "rail 0's connection changed"
     );
-    let (t0, t1) = (s0.finish(), s1.finish());
-    eprintln!(
-        "{} MiB on rail 0, {} MiB on rail 1, intact",
-        t0 >> 20,
-        t1 >> 20
-    );
-    rails.finish();
+    steps.step("both streams intact");
+    rails.finish([s0, s1]);
 }
 
 /// The node's budget shared by two rails: A's two loops (rings per connection) are given a node
@@ -155,10 +162,12 @@ fn two_rails_each_run_connected_mode_on_their_own_device() {
 #[test]
 fn two_rails_share_the_nodes_budget() {
     let test = "two_rails_share_the_nodes_budget";
+    let mut steps = Steps::new(test);
     let one_ring = ["--node-memory-budget", "4MiB"];
     let Some(mut rails) = TwoRails::new(test, "hyn", Recv::Rings, &one_ring) else {
         return;
     };
+    steps.step("two rails on a node budget of one ring, a stream on each");
     let [pid_a0, pid_a1] = rails.pids_a;
     let (a0, b0) = (rails.lab.a.clone(), rails.lab.b.clone());
     let (a1, b1) = (rails.a1.clone(), rails.b1.clone());
@@ -178,6 +187,7 @@ fn two_rails_share_the_nodes_budget() {
     ];
     let s0 = Stream::start(&a0, &b0, 5370);
     let s1 = Stream::start(&a1, &b1, 5371);
+    steps.step("one rail holds the ring, the other refused one; never two rings");
     let mut samples = 0;
     let mut held_by = None;
     // Sampled until one rail holds the ring and the other was refused one; no longer, since
@@ -235,6 +245,7 @@ fn two_rails_share_the_nodes_budget() {
         PeerModeView::CmUp,
         "rail {lost} on CM without a ring"
     );
+    steps.step("the holder's loop killed: the other rail takes the ring and goes CM");
     // The rail holding the ring loses its loop: the other takes the ring.
     rails.lab.kill9(by_rail[won].2);
     let t = Instant::now();
@@ -256,11 +267,6 @@ fn two_rails_share_the_nodes_budget() {
         "rail {won}'s loop killed: rail {lost} on CM {:.1?} later",
         t.elapsed()
     );
-    let (t0, t1) = (s0.finish(), s1.finish());
-    eprintln!(
-        "{} MiB on rail 0, {} MiB on rail 1, intact",
-        t0 >> 20,
-        t1 >> 20
-    );
-    rails.finish();
+    steps.step("both streams intact");
+    rails.finish([s0, s1]);
 }

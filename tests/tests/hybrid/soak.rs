@@ -121,9 +121,11 @@ struct Held {
 
 fn soak(recv: Recv) {
     let test = format!("the_soak_on_{}", recv.name());
+    let mut steps = Steps::new(&test);
     let Some((dev, baseline, mut lab)) = rdma_lab(&test, &recv.tag("sk"), 3) else {
         return;
     };
+    steps.step("its seed and settings; three nodes attached");
     let secs: u64 = std::env::var("IPOIB_SOAK_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -162,6 +164,7 @@ fn soak(recv: Recv) {
         0 => Stream::start(from, to, port),
         r => Stream::paced(from, to, port, r << 20),
     };
+    steps.step("three streams and a paced UDP flow, each promoted");
     // The counters that can say where a datagram went, in the background all through, from
     // before the flows start (a loss while they are promoted is judged as well).
     let sampler = Sampler::start([a.clone(), b.clone()]);
@@ -183,6 +186,7 @@ fn soak(recv: Recv) {
         );
     }
 
+    steps.step("faults at random while the flows run");
     let t0 = Instant::now();
     let end = t0 + Duration::from_secs(secs);
     let mut windows: Vec<(Instant, Instant, String)> = Vec::new();
@@ -218,6 +222,7 @@ fn soak(recv: Recv) {
             eprintln!("  {}'s engine: {:?}", n.ns, cm.engine);
         }
     }
+    steps.step("the flows ended: what was lost, and where, against the fault windows");
     let timeline = sampler.finish();
     // Where the flow's datagrams were last counted: A's UDP sends and B's UDP deliveries (the
     // flow is their only UDP) against what the test sent and received.

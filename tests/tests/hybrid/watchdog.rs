@@ -13,9 +13,11 @@ use super::*;
 /// again after its backoff, and the flow returns to CM.
 fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
     let test = format!("a_wedged_engine_goes_ud_{fault}_{lanes}");
+    let mut steps = Steps::new(&test);
     let Some((dev, baseline, mut lab)) = rdma_lab(&test, tag, 2) else {
         return;
     };
+    steps.step("both attached (A with a notify socket and test faults), a stream on CM, A's engine threads");
     // A tells a notify socket what it would tell systemd.
     let sock = ipoib_tests::notify::NotifySocket::bind(tag).unwrap();
     let period = Duration::from_secs(2);
@@ -57,6 +59,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
         engine_threads, want,
         "A's engine threads with {lanes} lane(s)"
     );
+    steps.step("A's engine wedged: the flow UD within the heartbeat deadline, and on");
     let deadline = Duration::from_nanos(ipoib_common::DEFAULT_HEARTBEAT_TIMEOUT_NS);
     if fault == "panic" {
         // The restart takes 2 s more, awaited after the HCA's setup (as its netlink work
@@ -104,6 +107,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
     let fell = a.peer(&b_ip).unwrap().expect("A knows B");
     goes_on_over_ud(&a, &b_ip, &fell);
     if fault == "panic" {
+        steps.step("after the panic: connected mode up again, the flow back on CM");
         // The restart comes 5 s after the stop, then the policy promotes B again.
         returns_to_cm(&a, &b, Duration::from_secs(40), "connected mode's restart");
         let log = ctl_log(&a);
@@ -119,6 +123,7 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
             "A's log does not tell of the restart:\n{log}"
         );
     }
+    steps.step("the stream intact; systemd's watchdog followed the engine");
     let sent = stream.finish();
     eprintln!("{} MiB crossed intact", sent >> 20);
     watchdog_follows_the_engine(&sock, fault, t, period, last_setup(&ctl_log(&a)));
@@ -134,15 +139,18 @@ fn a_wedged_engine_goes_ud(fault: &str, tag: &str, port: u16, lanes: u32) {
 #[test]
 fn a_node_whose_handshake_listener_dies_starts_connected_mode_again() {
     let test = "a_node_whose_handshake_listener_dies_starts_connected_mode_again";
+    let mut steps = Steps::new(test);
     let Some((dev, baseline, mut lab)) = rdma_lab(test, "hld", 2) else {
         return;
     };
+    steps.step("both attached (B with test faults), a stream on CM");
     lab.attach(Which::A, &["--cm-device", &dev]).unwrap();
     lab.attach(Which::B, &["--cm-device", &dev, "--test-faults"])
         .unwrap();
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let stream = Stream::start(&a, &b, 5334);
     cm_up_within(&a, &b, PROMOTION, "promoted");
+    steps.step("B's listener dies: B's connected mode stops on it");
     std::fs::write(format!("/run/ipoib-ctl/{}.fault", b.iface), "listener").unwrap();
     let stopped = wait_until(Duration::from_secs(10), || {
         ctl_log(&b).contains("the handshake listener stopped")
@@ -152,6 +160,7 @@ fn a_node_whose_handshake_listener_dies_starts_connected_mode_again() {
         "B's connected mode did not stop on its listener's end:\n{}",
         ctl_log(&b)
     );
+    steps.step("B's connected mode again: the flow back on CM, intact");
     returns_to_cm(&a, &b, Duration::from_secs(40), "B's restart");
     assert!(ctl_log(&b).contains("runs again"), "{}", ctl_log(&b));
     let sent = stream.finish();
