@@ -32,3 +32,14 @@ fn every_target_holds_on_its_seeds_and_past_findings() {
         }
     }
 }
+
+/// The CM status seeds are files as the product writes them: each decodes, else the property
+/// stops at the decoder's refusal and tests nothing past it.
+#[test]
+fn the_cm_status_seeds_decode() {
+    for (name, data) in inputs(&corpus_dir("cm_status")) {
+        if let Err(e) = serde_json::from_slice::<ipoib_ctl::status::cm::CmStatus>(&data) {
+            panic!("{name}: {e}");
+        }
+    }
+}

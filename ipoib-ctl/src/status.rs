@@ -11,8 +11,7 @@ use ipoib_common::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    attach::EgressAttach,
-    attach::{self, AttachError, AttachState},
+    attach::{self, AttachError, AttachState, EgressAttach},
     clock::monotonic_ns,
     maps::{self, DatapathMaps, PeerCacheCounts},
     policy::{Mode, format_size},

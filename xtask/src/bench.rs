@@ -70,22 +70,27 @@ enum Place {
 }
 
 /// What xtask knows of one benchmark: its binary's name (`bench-NAME`), where it runs,
-/// whether `--vm` moves it into the VM, and whether it runs `ipoib-ctl`.
+/// whether `--vm` moves it into the VM, whether it runs `ipoib-ctl`, and whether it needs
+/// the machine's packages (`provision`) on the host.
 struct Spec {
     name: &'static str,
     place: Place,
     vm_too: bool,
     runs_ctl: bool,
+    packages: bool,
 }
 
 impl Bench {
     fn split(self) -> (Spec, Vec<String>) {
         let host = |root_for| Place::Host { root_for };
+        // The host's benchmarks need the packages (bpftool, iperf3, ...), but for the tick's,
+        // a pure computation.
         let spec = |name, place, vm_too, runs_ctl| Spec {
             name,
             place,
             vm_too,
             runs_ctl,
+            packages: name != "tick",
         };
         match self {
             Bench::Datapath(o) => (spec("datapath", host(None), false, false), o.args),
@@ -175,7 +180,9 @@ pub fn run(root: &Path, bench: Bench) -> Result<()> {
             {
                 bail!("this benchmark needs root ({why})");
             }
-            provision::run(provision::Scope::default())?;
+            if spec.packages {
+                provision::run(provision::Scope::default())?;
+            }
             build(root, &bin, spec.runs_ctl)?;
             std::process::Command::new(root.join("target/release").join(&bin))
                 .args(&args)
@@ -285,8 +292,10 @@ mod tests {
             place_and_args(&spec, args),
             (Place::Host { root_for: None }, strings(&["--vm"]))
         );
+        assert!(!spec.packages, "the tick's needs no package");
         let (spec, _) = parse(&["memory"]).split();
         assert_eq!(result_file(&spec, spec.place), "memory.json");
+        assert!(spec.packages);
         let (_, args) = parse(&["datapath", "--help"]).split();
         assert!(asks_help(&args));
         assert!(!asks_help(&strings(&["--paths", "hop"])));

@@ -205,6 +205,9 @@ fn soak(recv: Recv) {
             next_fault = Instant::now() + Duration::from_secs(within(&mut dice, 5, 30));
         }
     }
+    steps.step(
+        "the flows ended, the streams intact: what was lost, and where, against the fault windows",
+    );
     // The last fault's window: connected mode back before the flows end.
     std::thread::sleep(AFTER);
     let sent: Vec<u64> = streams.into_iter().map(Stream::finish).collect();
@@ -222,7 +225,6 @@ fn soak(recv: Recv) {
             eprintln!("  {}'s engine: {:?}", n.ns, cm.engine);
         }
     }
-    steps.step("the flows ended: what was lost, and where, against the fault windows");
     let timeline = sampler.finish();
     // Where the flow's datagrams were last counted: A's UDP sends and B's UDP deliveries (the
     // flow is their only UDP) against what the test sent and received.
