@@ -239,14 +239,17 @@ impl TryFrom<String> for PeerModeView {
             "cm_pending" => Ok(Self::CmPending),
             "cm_up" => Ok(Self::CmUp),
             "-" => Ok(Self::Unseen),
-            other => other
-                .strip_prefix("unknown(")
-                .and_then(|r| r.strip_suffix(')'))
-                .and_then(|n| n.parse().ok())
+            other => unknown_value(other)
                 .map(Self::Unknown)
                 .ok_or_else(|| format!("not a peer mode: `{s}`")),
         }
     }
+}
+
+/// The raw value of a map field this build does not know, as its views print it
+/// (`unknown(N)`).
+fn unknown_value(s: &str) -> Option<u8> {
+    s.strip_prefix("unknown(")?.strip_suffix(')')?.parse().ok()
 }
 
 /// The kind of link the fast path was configured for; in JSON by name.
@@ -301,12 +304,7 @@ impl TryFrom<String> for ModeView {
             .into_iter()
             .find(|m| m.to_string() == s)
             .map(Self::Known)
-            .or_else(|| {
-                s.strip_prefix("unknown(")
-                    .and_then(|r| r.strip_suffix(')'))
-                    .and_then(|n| n.parse().ok())
-                    .map(Self::Unknown)
-            })
+            .or_else(|| unknown_value(&s).map(Self::Unknown))
             .ok_or_else(|| format!("not a mode: `{s}`"))
     }
 }
