@@ -300,6 +300,20 @@ mod tests {
         assert!(parent_globs(&root()).unwrap().is_empty());
     }
 
+    /// A tree with one glob outside tests, one inside: only the first is named.
+    #[test]
+    fn parent_globs_names_the_files_that_glob() {
+        let tmp = std::env::temp_dir().join(format!("xtask-shape-{}", std::process::id()));
+        let src = tmp.join("ipoib-ctl/src/m");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("a.rs"), "use super::*;\nfn f() {}\n").unwrap();
+        std::fs::write(src.join("tests.rs"), "use super::*;\n").unwrap();
+        std::fs::write(tmp.join("ipoib-ctl/src/b.rs"), "use super::{A};\n").unwrap();
+        let found = parent_globs(&tmp).unwrap();
+        let _ = std::fs::remove_dir_all(&tmp);
+        assert_eq!(found, [PathBuf::from("ipoib-ctl/src/m/a.rs")]);
+    }
+
     #[test]
     fn no_source_file_is_over_800_lines_outside_its_tests() {
         let long = long_files(&root()).unwrap();
