@@ -63,34 +63,36 @@ pub enum Bench {
 /// Where a benchmark runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
-    /// On this machine's kernel; `Some(why)`: it needs root for that.
-    Host { root_for: Option<&'static str> },
+    /// On this machine's kernel; `root_for`: why it needs root, if it does; `packages`:
+    /// whether it needs the machine's packages (`provision`: bpftool, iperf3, ...).
+    Host {
+        root_for: Option<&'static str>,
+        packages: bool,
+    },
     /// In the soft-RoCE VM.
     Vm,
 }
 
 /// What xtask knows of one benchmark: its binary's name (`bench-NAME`), where it runs,
-/// whether `--vm` moves it into the VM, whether it runs `ipoib-ctl`, and whether it needs
-/// the machine's packages (`provision`) on the host.
+/// whether `--vm` moves it into the VM, and whether it runs `ipoib-ctl`.
 struct Spec {
     name: &'static str,
     place: Place,
     vm_too: bool,
     runs_ctl: bool,
-    packages: bool,
 }
 
 impl Bench {
     fn split(self) -> (Spec, Vec<String>) {
-        let host = |root_for| Place::Host { root_for };
-        // The host's benchmarks need the packages (bpftool, iperf3, ...), but for the tick's,
-        // a pure computation.
+        let host = |root_for| Place::Host {
+            root_for,
+            packages: true,
+        };
         let spec = |name, place, vm_too, runs_ctl| Spec {
             name,
             place,
             vm_too,
             runs_ctl,
-            packages: name != "tick",
         };
         match self {
             Bench::Datapath(o) => (spec("datapath", host(None), false, false), o.args),
@@ -118,7 +120,19 @@ impl Bench {
                 ),
                 o.args,
             ),
-            Bench::Tick(o) => (spec("tick", host(None), false, false), o.args),
+            // A pure computation: no package.
+            Bench::Tick(o) => (
+                spec(
+                    "tick",
+                    Place::Host {
+                        root_for: None,
+                        packages: false,
+                    },
+                    false,
+                    false,
+                ),
+                o.args,
+            ),
         }
     }
 }
@@ -174,13 +188,13 @@ pub fn run(root: &Path, bench: Bench) -> Result<()> {
     }
     let out = root.join("target/bench").join(result_file(&spec, place));
     match place {
-        Place::Host { root_for } => {
+        Place::Host { root_for, packages } => {
             if let Some(why) = root_for
                 && !is_root()
             {
                 bail!("this benchmark needs root ({why})");
             }
-            if spec.packages {
+            if packages {
                 provision::run(provision::Scope::default())?;
             }
             build(root, &bin, spec.runs_ctl)?;
@@ -283,19 +297,38 @@ mod tests {
         assert_eq!(result_file(&spec, place), "hop-vm.json");
         let (spec, args) = parse(&["hook", "--rounds", "2"]).split();
         let (place, args) = place_and_args(&spec, args);
-        assert!(matches!(place, Place::Host { root_for: Some(_) }));
+        assert!(matches!(
+            place,
+            Place::Host {
+                root_for: Some(_),
+                packages: true
+            }
+        ));
         assert_eq!(args, strings(&["--rounds", "2"]));
         assert_eq!(result_file(&spec, place), "hook.json");
         // Only where xtask takes it: elsewhere the benchmark refuses it itself.
         let (spec, args) = parse(&["tick", "--vm"]).split();
         assert_eq!(
             place_and_args(&spec, args),
-            (Place::Host { root_for: None }, strings(&["--vm"]))
+            (
+                Place::Host {
+                    root_for: None,
+                    packages: false
+                },
+                strings(&["--vm"])
+            ),
+            "the tick's needs no package"
         );
-        assert!(!spec.packages, "the tick's needs no package");
         let (spec, _) = parse(&["memory"]).split();
         assert_eq!(result_file(&spec, spec.place), "memory.json");
-        assert!(spec.packages);
+        let (spec, _) = parse(&["datapath"]).split();
+        assert_eq!(
+            spec.place,
+            Place::Host {
+                root_for: None,
+                packages: true
+            }
+        );
         let (_, args) = parse(&["datapath", "--help"]).split();
         assert!(asks_help(&args));
         assert!(!asks_help(&strings(&["--paths", "hop"])));
