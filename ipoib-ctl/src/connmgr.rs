@@ -140,11 +140,16 @@ struct Watched {
 pub enum Outcome {
     Established(IpAddr, Connection),
     SetupFailed(IpAddr, SetupError),
-    /// The connection ended: `gone` says how the peer went, None when we closed it.
+    /// The watch found the peer gone; the connection is still open, until asked to close.
+    Gone {
+        ip: IpAddr,
+        qpn: u32,
+        gone: Gone,
+    },
+    /// The connection is closed (after the close it was asked for).
     Closed {
         ip: IpAddr,
         qpn: u32,
-        gone: Option<Gone>,
     },
 }
 
@@ -483,9 +488,10 @@ impl Manager {
                 tracing::info!("{ip}: connection setup failed, UD for now: {e}");
                 self.core.handle_setup_failed(now, ip, Failure::from(&e));
             }
-            Outcome::Closed { ip, qpn, gone } => {
+            Outcome::Gone { ip, qpn, gone } => self.core.handle_gone(now, ip, qpn, gone),
+            Outcome::Closed { ip, qpn } => {
                 self.watched.remove(&qpn);
-                self.core.handle_closed(now, ip, qpn, gone);
+                self.core.handle_closed(now, ip, qpn);
             }
         }
     }
@@ -604,15 +610,22 @@ impl Manager {
         let tx = self.outcomes_tx.clone();
         let control = self.engine.control.clone();
         tokio::spawn(async move {
+            let mut close_rx = close_rx;
             let gone = tokio::select! {
                 g = c.watch(dead_after / 3, dead_after, &traffic) => Some(g),
-                _ = close_rx => None,
+                _ = &mut close_rx => None,
             };
+            // The peer gone: said first, and closed only when asked (a demotion's order: UD,
+            // then what the engine holds goes over the connection, then the close).
+            if let Some(gone) = gone {
+                let _ = tx.send(Outcome::Gone { ip, qpn, gone });
+                let _ = close_rx.await;
+            }
             // Closed, then held by the engine until drained (engine::graves).
             let qp = c.qp.clone();
             c.close();
             control.bury(qp);
-            let _ = tx.send(Outcome::Closed { ip, qpn, gone });
+            let _ = tx.send(Outcome::Closed { ip, qpn });
         });
     }
 

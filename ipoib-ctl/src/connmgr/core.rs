@@ -14,7 +14,7 @@
 //!   ([`Command::RemoveRoute`]).
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     net::IpAddr,
 };
 
@@ -96,6 +96,9 @@ pub struct Core {
     /// connections received in all: a connection the peer sends over is not idle.
     rx_seen: HashMap<u32, u64>,
     cm_rx: HashMap<IpAddr, u64>,
+    /// Connections given up on a failure (the peer gone, a QP error), their peer UD and the
+    /// policy told already: their close changes nothing more.
+    given_up: HashSet<u32>,
     max_connections: usize,
     srq_limit: u32,
     srq_armed: bool,
@@ -112,6 +115,7 @@ impl Core {
             live: HashMap::new(),
             rx_seen: HashMap::new(),
             cm_rx: HashMap::new(),
+            given_up: HashSet::new(),
             max_connections,
             srq_limit: srq_depth / 4,
             srq_armed: true,
@@ -248,10 +252,46 @@ impl Core {
         self.promoter.failed(now, &ip, why);
     }
 
-    /// A watched connection ended: closed by us (`gone` None), by the peer, or the peer went
-    /// silent.
-    pub fn handle_closed(&mut self, now: u64, ip: IpAddr, qpn: u32, gone: Option<Gone>) {
+    /// The watcher found the peer of connection `qpn` gone: it closed its end of the
+    /// control stream, or was silent past the deadline. The connection is still open, so the
+    /// peer goes UD first, then what the engine holds for it goes over the connection, and
+    /// only then is it closed, as in a demotion (a close first would flush what is held).
+    pub fn handle_gone(&mut self, now: u64, ip: IpAddr, qpn: u32, gone: Gone) {
         self.rx_seen.remove(&qpn);
+        if self.live.get(&ip) != Some(&qpn) {
+            // An older connection of a peer that has a newer one, or one being let go already:
+            // closed, and nothing else changes.
+            self.push(Command::RemoveRoute {
+                ip,
+                qpn,
+                close: true,
+            });
+            return;
+        }
+        self.live.remove(&ip);
+        self.given_up.insert(qpn);
+        self.demote(ip, qpn, true);
+        match gone {
+            Gone::Closed => {
+                tracing::info!("{ip}: the peer closed its connection (QP {qpn}): UD, then closed");
+                self.promoter.closed(now, &ip);
+            }
+            // Alive at the IP level but not taking what we send: UD, retry later.
+            Gone::Silent => {
+                tracing::warn!(
+                    "{ip}: the peer's control loop went silent: UD, connection (QP {qpn}) closed"
+                );
+                self.promoter.failed(now, &ip, Failure::Timeout);
+            }
+        }
+    }
+
+    /// A connection we asked to close (`RemoveRoute` with `close`) is closed.
+    pub fn handle_closed(&mut self, now: u64, ip: IpAddr, qpn: u32) {
+        self.rx_seen.remove(&qpn);
+        if self.given_up.remove(&qpn) {
+            return;
+        }
         match self.live.get(&ip) {
             // An older connection of a peer that has a new one: leave it be.
             Some(q) if *q != qpn => return,
@@ -261,20 +301,7 @@ impl Core {
             None => {}
         }
         self.demote(ip, qpn, false);
-        match gone {
-            Some(Gone::Closed) => {
-                tracing::info!("{ip}: the peer closed its connection (QP {qpn})");
-                self.promoter.closed(now, &ip);
-            }
-            // Alive at the IP level but not taking what we send: UD, retry later.
-            Some(Gone::Silent) => {
-                tracing::warn!(
-                    "{ip}: the peer's control loop went silent: connection (QP {qpn}) closed, UD"
-                );
-                self.promoter.failed(now, &ip, Failure::Timeout);
-            }
-            None => self.promoter.closed(now, &ip),
-        }
+        self.promoter.closed(now, &ip);
     }
 
     /// QP `qpn` is in error (a send completed in error, or the device said it went fatal):
@@ -285,6 +312,7 @@ impl Core {
         };
         tracing::warn!("{ip}: QP {qpn} failed ({what}): UD, retry later");
         self.live.remove(&ip);
+        self.given_up.insert(qpn);
         self.demote(ip, qpn, true);
         self.promoter.failed(now, &ip, Failure::QpError);
     }

@@ -112,7 +112,7 @@ impl Node {
                     core.handle_established(now, ip, self.next_qpn);
                 }
                 Outcome::Refused(ip) => core.handle_setup_failed(now, ip, Failure::Rejected),
-                Outcome::Closed(ip, qpn) => core.handle_closed(now, ip, qpn, None),
+                Outcome::Closed(ip, qpn) => core.handle_closed(now, ip, qpn),
             }
             let cmds = drain(core);
             self.carry_out(core, now, cmds);

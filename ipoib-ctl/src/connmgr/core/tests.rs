@@ -158,9 +158,10 @@ fn a_qp_error_sends_the_peer_ud_before_the_route_goes_and_backs_off() {
     assert_eq!(c.peers(0)[0].state, CmPeerState::Backoff);
     // Still bulk, but in backoff: no setup at the next tick.
     assert_eq!(tick(&mut c, t, 4, vec![bulk(ip(2), t, 60)]), []);
-    // The watcher then reports the connection it closed: nothing more to undo but the map.
-    c.handle_closed((t + 1) * SEC, ip(2), 77, None);
-    assert_eq!(drain(&mut c), demoted(ip(2), 77, false));
+    // The watcher then reports the connection closed: given up already, nothing to undo.
+    c.handle_closed((t + 1) * SEC, ip(2), 77);
+    assert_eq!(drain(&mut c), []);
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Backoff);
 }
 
 #[test]
@@ -188,26 +189,61 @@ fn a_failed_setup_is_ud_with_backoff_unless_the_peers_connection_is_up() {
 }
 
 #[test]
-fn a_closed_connection_of_a_peer_with_a_newer_one_changes_nothing() {
+fn a_gone_connection_of_a_peer_with_a_newer_one_is_closed_and_changes_nothing_else() {
     let mut c = core(4);
     let t = up(&mut c, ip(2), 77, 4);
-    c.handle_closed(t * SEC, ip(2), 70, Some(Gone::Closed));
+    c.handle_gone(t * SEC, ip(2), 70, Gone::Closed);
+    let close = Command::RemoveRoute {
+        ip: ip(2),
+        qpn: 70,
+        close: true,
+    };
+    assert_eq!(drain(&mut c), [close]);
+    c.handle_closed(t * SEC, ip(2), 70);
     assert_eq!(drain(&mut c), []);
     assert_eq!(c.connections(), 1);
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Cm);
 }
 
 #[test]
-fn a_silent_peer_is_a_failure_and_a_closing_peer_is_not() {
+fn a_gone_peer_goes_ud_before_its_connection_is_closed() {
+    // A silent peer is a failure (backoff); a peer that closed its end is not.
     for (gone, state) in [
         (Gone::Silent, CmPeerState::Backoff),
         (Gone::Closed, CmPeerState::Ud),
     ] {
         let mut c = core(4);
         let t = up(&mut c, ip(2), 77, 4);
-        c.handle_closed(t * SEC, ip(2), 77, Some(gone));
-        assert_eq!(drain(&mut c), demoted(ip(2), 77, false), "{gone:?}");
+        c.handle_gone(t * SEC, ip(2), 77, gone);
+        // Not closed yet: the engine sends what it holds first, then closes it.
+        assert_eq!(drain(&mut c), demoted(ip(2), 77, true), "{gone:?}");
+        assert_eq!(c.connections(), 0, "{gone:?}");
+        assert_eq!(c.peers(0)[0].state, state, "{gone:?}");
+        // Its close, when it comes, changes nothing more.
+        c.handle_closed((t + 1) * SEC, ip(2), 77);
+        assert_eq!(drain(&mut c), [], "{gone:?}");
         assert_eq!(c.peers(0)[0].state, state, "{gone:?}");
     }
+}
+
+#[test]
+fn a_shed_connection_is_ud_once_closed() {
+    let mut c = core(4);
+    let t = up(&mut c, ip(2), 77, 4);
+    c.handle_tick(
+        (t + 1) * SEC,
+        TickInput {
+            mode: Some(Mode::Datagram),
+            max_connections: 4,
+            srq_posted: 256,
+            ..TickInput::default()
+        },
+    );
+    assert_eq!(drain(&mut c), demoted(ip(2), 77, true));
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Closing);
+    c.handle_closed((t + 2) * SEC, ip(2), 77);
+    assert_eq!(drain(&mut c), demoted(ip(2), 77, false));
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Ud);
 }
 
 #[test]
