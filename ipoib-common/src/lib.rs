@@ -42,6 +42,10 @@ pub const ICMPV6_ND_LAST: u8 = 137;
 /// Linux' connected-mode MTU (IPOIB_CM_MTU).
 pub const IPOIB_CM_MTU: u32 = 65520;
 
+/// The socket mark of packets the CM engine hands back to UD (what it read and cannot send
+/// over a connection): egress passes them as they are, never to the CM device again.
+pub const UD_MARK: u32 = 0x1b0d_ca7e;
+
 /// Map names, exactly as the eBPF object declares them (at most 15 bytes: BPF_OBJ_NAME_LEN).
 pub mod map_names {
     /// `Array<Policy, 1>`: the policy in force.

@@ -25,7 +25,7 @@ use aya_ebpf::{
 use ipoib_common::{
     Counter, Heartbeat, IPOIB_FLAG_RC, MAX_PEERS, MAX_TRAFFIC_PEERS, MAX_UNKNOWN_PEERS,
     PEER_CACHE_SLOTS, PeerCacheSlot, PeerEntry, PeerKey, PeerTraffic, Policy, REASON_SLOTS, Reason,
-    TickCache, global_mode, peer_cache, peer_mode, peer_pin,
+    TickCache, UD_MARK, global_mode, peer_cache, peer_mode, peer_pin,
 };
 use parse::{Frame, PARSE_MAX, ParseError, key_at, parse};
 
@@ -279,6 +279,15 @@ fn egress(ctx: &TcContext) -> i32 {
         }
     };
     let l3_len = (len - frame.l2_len) as u64;
+    // What the CM engine hands back to UD (read from the CM device, and not sendable over its
+    // connection): UD as it is, counted by the engine, not here (it was, when redirected).
+    // SAFETY: the context's skb is valid for the program's run; `mark` is readable in TC.
+    if unsafe { (*ctx.skb.skb).mark } == UD_MARK {
+        if kernel_cm_forbidden(policy) {
+            keep_off_kernel_cm(ctx, &frame, l3_len);
+        }
+        return TC_ACT_OK;
+    }
     // Read once, and only for unicast IP: the only packets that use them (`decide` answers
     // every other packet before it asks the heartbeat).
     let unicast = frame.unicast();
@@ -322,13 +331,22 @@ fn egress(ctx: &TcContext) -> i32 {
         // The CM device has no L2 header: the kernel pulls ours off itself.
         return unsafe { bpf_redirect(verdict.cm_ifindex, 0) } as i32;
     }
-    if verdict.forbid_kernel_cm && frame.rc_flag {
+    if verdict.forbid_kernel_cm {
+        keep_off_kernel_cm(ctx, &frame, l3_len);
+    }
+    TC_ACT_OK
+}
+
+/// Clears the IPoIB RC flag of a frame that has it, so the kernel's connected mode does not
+/// carry it.
+#[inline(always)]
+fn keep_off_kernel_cm(ctx: &TcContext, frame: &Frame, l3_len: u64) {
+    if frame.rc_flag {
         let flags = frame.flags & !IPOIB_FLAG_RC;
         if ctx.store(0, &flags, 0).is_ok() {
             count(Reason::TxRcFlagCleared, l3_len);
         }
     }
-    TC_ACT_OK
 }
 
 #[inline(always)]

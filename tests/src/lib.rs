@@ -520,6 +520,27 @@ impl Harness {
         run(prog, frame, 1).map(|(o, _)| o)
     }
 
+    /// Runs `ipoib_egress` once on `frame` as if sent by a socket with mark `mark`.
+    pub fn egress_marked(&mut self, frame: &[u8], mark: u32) -> Result<Outcome, ProgramError> {
+        // `struct __sk_buff` up to its mark (len and pkt_type zero: the kernel fills them).
+        let mut ctx = [0u8; 12];
+        ctx[8..].copy_from_slice(&mark.to_ne_bytes());
+        let prog = self.dp.egress().expect("egress program");
+        let mut out = vec![0u8; frame.len() + 256];
+        let res = prog.test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            repeat: 1,
+            ..Default::default()
+        })?;
+        out.truncate(res.data_size_out as usize);
+        Ok(Outcome {
+            retval: res.return_value,
+            data_out: out,
+        })
+    }
+
     /// Runs `ipoib_ingress` (XDP) once on `frame`.
     pub fn ingress(&mut self, frame: &[u8]) -> Result<Outcome, ProgramError> {
         let prog = self.dp.ingress().expect("ingress program");

@@ -3,7 +3,7 @@
 //! Needs root (CI runs as root); see `load_or_skip`.
 
 use ipoib_common::{
-    IPOIB_FLAG_RC, PeerEntry, PeerKey, Policy, Reason, global_mode, peer_mode, peer_pin,
+    IPOIB_FLAG_RC, PeerEntry, PeerKey, Policy, Reason, UD_MARK, global_mode, peer_mode, peer_pin,
 };
 use ipoib_ctl::{
     clock::{monotonic_coarse_ns, monotonic_ns},
@@ -792,6 +792,44 @@ fn big_to_2(name: &'static str, reason: Reason) -> Case {
     } else {
         case(name, frame, reason, true, "10.0.0.2", Path::Ud)
     }
+}
+
+/// What the CM engine hands back to UD (a packet it read and cannot send over the peer's
+/// connection, sent again by a socket with [`UD_MARK`]) goes UD as it is, to a peer on CM too,
+/// and is no decision of the fast path's; with the kernel's CM forbidden its RC flag is
+/// cleared. The same packet with another mark, or none, is redirected.
+#[test]
+fn a_packet_the_engine_hands_back_goes_ud() {
+    let Some((mut h, _, _)) = pinned_harness("a_packet_the_engine_hands_back_goes_ud") else {
+        return;
+    };
+    let frame = tcp_to(L2::unicast(Link::Ipoib), "10.0.0.2", BIG);
+    assert_ne!(frame[0] & IPOIB_FLAG_RC, 0, "the case needs the RC flag");
+    for mark in [0, UD_MARK + 1] {
+        let out = h.egress_marked(&frame, mark).unwrap();
+        assert_eq!(out.retval, TC_ACT_REDIRECT, "mark {mark:#x}");
+    }
+    let before = (h.reasons(), h.traffic("10.0.0.2"));
+    let out = h.egress_marked(&frame, UD_MARK).unwrap();
+    let after = (h.reasons(), h.traffic("10.0.0.2"));
+    assert_eq!(out.retval, TC_ACT_OK);
+    let mut expected = frame.clone();
+    expected[0] &= !IPOIB_FLAG_RC;
+    assert!(out.data_out == expected, "only the RC flag cleared");
+    // By kind and packets: with a context given, the run's skb length is the frame's own.
+    let counted: Vec<_> = delta(&before.0, &after.0)
+        .into_iter()
+        .map(|(r, packets, _)| (r, packets))
+        .collect();
+    assert_eq!(
+        counted,
+        [(Reason::TxRcFlagCleared, 1)],
+        "no decision counted"
+    );
+    assert_eq!(
+        before.1, after.1,
+        "the peer's traffic counted once, when redirected"
+    );
 }
 
 /// Sends `from`'s packet through ingress and returns the verdict.
