@@ -20,8 +20,11 @@
 //! marks the peer UD, so the next packets go over UD at once; what the engine has already
 //! read still goes over the connection, in order, as long as `spare_slots` send slots stay
 //! free for the other connections, if any: a switch to UD loses nothing. Past that a packet
-//! is dropped and counted, one of the flow (source, protocol, ports) that holds the most
-//! bytes of the queue, so a sparse flow loses nothing to a bulk one beside it.
+//! is let go and counted, one of the flow (source, protocol, ports) that holds the most
+//! bytes of the queue, so a sparse flow loses nothing to a bulk one beside it; and a packet
+//! let go, here or for any other reason, is sent over UD by a raw socket whose mark the
+//! fast path lets through ([`ud`]), unless UD cannot carry it (a GSO super-packet: TCP sends
+//! it again), counted `tx_sent_ud`.
 //! [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause while no send slot
 //! is free. A send that completes in error, a receive that does (not
 //! flushed), or a send the QP refuses to take reports [`EngineEvent::QpError`] once per QP:
@@ -62,6 +65,7 @@
 mod control;
 mod core;
 pub mod graves;
+pub mod ud;
 
 use std::{
     collections::HashMap,
@@ -123,6 +127,8 @@ struct Io {
     graves: graves::Graves<Arc<RcQueuePair>>,
     /// The thread's CPU time when the loop started ([`EngineStats::cpu_ns`] counts from it).
     cpu_start_ns: u64,
+    /// Where what cannot go over a connection goes instead (none: it is dropped).
+    ud: Option<ud::UdOut>,
 }
 
 /// How often flows of gone connections are forgotten, receive totals reported and the
@@ -212,6 +218,7 @@ impl Engine {
                         closing: HashMap::new(),
                         graves: graves::Graves::default(),
                         cpu_start_ns: 0,
+                        ud: None,
                     },
                     commands,
                     control: control.clone(),
@@ -223,6 +230,12 @@ impl Engine {
 
     pub fn stats(&self) -> Arc<EngineStats> {
         self.io.core.stats().clone()
+    }
+
+    /// What this engine cannot send over a connection goes over UD through `out` (without
+    /// it, it is dropped).
+    pub fn send_unsent_over(&mut self, out: ud::UdOut) {
+        self.io.ud = Some(out);
     }
 
     /// Where QP errors, congestion, routes added and receive totals are reported.
@@ -398,6 +411,7 @@ impl Io {
     /// Tells the control plane what the core decided to, and lets go of the connections
     /// whose routes the core has let go of.
     fn tell(&mut self) {
+        self.send_unsent();
         while let Some(e) = self.core.next_event() {
             if let Some(tx) = &self.events {
                 let _ = tx.send(e);
@@ -504,6 +518,25 @@ impl Io {
         }
         self.post_drains();
         self.tell();
+    }
+
+    /// What the core let go of unsent: over UD where it can go, then its slot free again.
+    fn send_unsent(&mut self) {
+        while let Some((slot, len)) = self.core.next_unsent() {
+            if let Some(ud) = &self.ud {
+                // SAFETY: the slot is still taken (the core gives it out again only once
+                // given back, below), and nothing posted uses it.
+                let msg = unsafe { &mut self.res.send.slot(slot)[..len as usize] };
+                match ud.send(msg) {
+                    Ok(()) => {
+                        let sent_ud = &self.core.stats().tx_sent_ud;
+                        sent_ud.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(why) => tracing::trace!("a packet not sent over UD either: {why:?}"),
+                }
+            }
+            self.core.give_back(slot, None);
+        }
     }
 
     /// The packet read into send slot `slot` (`len` bytes): to the core, which decides where.

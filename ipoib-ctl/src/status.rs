@@ -678,8 +678,8 @@ fn render_engine(out: &mut String, cm: &cm::CmStatus) {
     };
     let _ = writeln!(
         out,
-        "    engine{lanes}: tx {} msgs {}, rx {} msgs {}, dropped {} (backpressure {}, no connection {}, oversize {}), \
-         send errors {}, receive errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
+        "    engine{lanes}: tx {} msgs {}, rx {} msgs {}, not sent over CM {} (backpressure {}, no connection {}, oversize {}; \
+         of them sent UD {}), send errors {}, receive errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
         e("tx_packets"),
         human_bytes(e("tx_bytes")),
         e("rx_packets"),
@@ -688,6 +688,7 @@ fn render_engine(out: &mut String, cm: &cm::CmStatus) {
         e("tx_backpressure"),
         e("tx_no_connection"),
         e("tx_oversize"),
+        e("tx_sent_ud"),
         e("send_errors"),
         e("rx_errors"),
         e("tx_congested"),
@@ -1115,6 +1116,7 @@ mod tests {
             "rx_errors",
             "rx_flushed",
             "tx_congested",
+            "tx_sent_ud",
         ]
         .iter()
         .enumerate()
@@ -1126,7 +1128,7 @@ mod tests {
         for want in [
             "tx 10 msgs",
             "rx 11 msgs",
-            "dropped 39 (backpressure 12, no connection 13, oversize 14)",
+            "not sent over CM 39 (backpressure 12, no connection 13, oversize 14; of them sent UD 19)",
             "send errors 15, receive errors 16, congested",
             "its peer sent UD) 18,",
         ] {

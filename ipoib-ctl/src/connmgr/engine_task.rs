@@ -9,7 +9,9 @@ use tokio::{
 };
 
 use super::{CmError, Resources, Tun};
-use crate::engine::{Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats};
+use crate::engine::{
+    Engine, EngineConfig, EngineControl, EngineError, EngineEvent, EngineStats, ud::UdOut,
+};
 
 /// The running engine (its lanes') and how to stop it.
 pub(super) struct EngineTask {
@@ -108,21 +110,32 @@ pub(super) fn spawn_engine(
     (t, events)
 }
 
-/// An engine per lane of `res`, one per TUN queue. One lane's on this thread (a node on one
-/// lane runs one thread per interface); several lanes' off it, since that gives the device the
-/// steering program (loaded the first time: tens of ms on a real CPU, seconds under
-/// emulation).
+/// An engine per lane of `res`, one per TUN queue, each sending over UD out of `iface` what
+/// it cannot send over a connection. One lane's on this thread (a node on one lane runs one
+/// thread per interface); several lanes' off it, since that gives the device the steering
+/// program (loaded the first time: tens of ms on a real CPU, seconds under emulation).
 pub(super) async fn make_engines(
+    iface: &str,
     queues: Vec<Tun>,
     res: Arc<Resources>,
 ) -> Result<Vec<Engine>, CmError> {
-    if queues.len() == 1 {
-        return Ok(Engine::lanes(queues, res, EngineConfig::default())?);
+    let mut engines = if queues.len() == 1 {
+        Engine::lanes(queues, res, EngineConfig::default())?
+    } else {
+        tokio::task::spawn_blocking(move || Engine::lanes(queues, res, EngineConfig::default()))
+            .await
+            .map_err(|e| CmError::Io(io::Error::other(format!("making the engines: {e}"))))??
+    };
+    for e in &mut engines {
+        match UdOut::new(iface) {
+            Ok(out) => e.send_unsent_over(out),
+            Err(err) => tracing::warn!(
+                "{iface}: no raw socket to UD ({err}): what the engine cannot send over a \
+                 connection is dropped"
+            ),
+        }
     }
-    tokio::task::spawn_blocking(move || Engine::lanes(queues, res, EngineConfig::default()))
-        .await
-        .map_err(|e| CmError::Io(io::Error::other(format!("making the engines: {e}"))))?
-        .map_err(CmError::from)
+    Ok(engines)
 }
 
 /// Resolves once `stop` says so (or its sender is gone).

@@ -52,7 +52,7 @@ impl Manager {
         let listener = listen(iface, opts.ctl_port)?;
         let rtnl = Arc::new(Rtnl::new()?);
         let (queues, tun_ifindex, addresses) = open_tun(&rtnl, iface, opts.lanes).await?;
-        let engines = make_engines(queues, hca.res.clone()).await?;
+        let engines = make_engines(iface, queues, hca.res.clone()).await?;
         let device_events = watch_device(&hca.dev)?;
         let _ = std::fs::remove_file(&opts.status_path);
         reset_peers(&mut maps)?;

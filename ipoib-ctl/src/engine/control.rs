@@ -70,6 +70,10 @@ pub struct EngineStats {
     pub tx_depth_sum: AtomicU64,
     /// Packets that were not IP (dropped).
     pub tx_malformed: AtomicU64,
+    /// Of the packets counted above as not sent over a connection (backpressure, no
+    /// connection, oversize, malformed, multicast, and sends the QP refused), those sent
+    /// over UD instead: the rest were lost.
+    pub tx_sent_ud: AtomicU64,
     pub send_errors: AtomicU64,
     pub rx_packets: AtomicU64,
     pub rx_bytes: AtomicU64,
@@ -179,6 +183,7 @@ pub(super) const COUNTERS: &[(&str, Counter)] = &[
     ("tx_window_waits", |s| &s.tx_window_waits),
     ("tx_depth_sum", |s| &s.tx_depth_sum),
     ("tx_malformed", |s| &s.tx_malformed),
+    ("tx_sent_ud", |s| &s.tx_sent_ud),
     ("send_errors", |s| &s.send_errors),
     ("rx_packets", |s| &s.rx_packets),
     ("rx_bytes", |s| &s.rx_bytes),

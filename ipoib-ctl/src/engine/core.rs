@@ -79,10 +79,10 @@ impl<Q> Flow<Q> {
         }
     }
 
-    /// Drops what waits, its slots given back to `free` at once, each counted under `why`.
-    fn drop_waiting(&mut self, free: &mut Vec<u32>, stats: &EngineStats, why: Dropped) {
-        for (s, _, _) in self.waiting.drain(..) {
-            free.push(s);
+    /// Lets go of what waits, each packet to `unsent` (offered to UD), counted under `why`.
+    fn drop_waiting(&mut self, unsent: &mut Vec<(u32, u32)>, stats: &EngineStats, why: Dropped) {
+        for (s, len, _) in self.waiting.drain(..) {
+            unsent.push((s, len));
             count(why(stats));
         }
     }
@@ -94,10 +94,10 @@ impl<Q> Flow<Q> {
         &mut self,
         qpn: u32,
         status: Option<u32>,
-        free: &mut Vec<u32>,
+        unsent: &mut Vec<(u32, u32)>,
         stats: &EngineStats,
     ) -> Option<EngineEvent> {
-        self.drop_waiting(free, stats, |s| &s.tx_backpressure);
+        self.drop_waiting(unsent, stats, |s| &s.tx_backpressure);
         (!std::mem::replace(&mut self.dead, true)).then_some(EngineEvent::QpError { qpn, status })
     }
 
@@ -191,7 +191,7 @@ fn flow_key(pkt: &[u8]) -> u64 {
 }
 
 /// The destination address of an IP packet.
-fn destination(pkt: &[u8]) -> Option<IpAddr> {
+pub(super) fn destination(pkt: &[u8]) -> Option<IpAddr> {
     match pkt.first()? >> 4 {
         4 => {
             let a: [u8; 4] = pkt.get(16..20)?.try_into().ok()?;
@@ -252,6 +252,10 @@ pub struct EngineCore<Q> {
     stats: Arc<EngineStats>,
     /// Send slots nothing is read into, posted from or waiting in.
     free: Vec<u32>,
+    /// Packets read and not sent over a connection (each counted under its reason): send
+    /// slot and length. Their slots stay taken until the loop has offered them to the UD path
+    /// ([`EngineCore::next_unsent`]) and given them back.
+    unsent: Vec<(u32, u32)>,
     routes: HashMap<IpAddr, Route<Q>>,
     flows: HashMap<u32, Flow<Q>>,
     /// Bytes received per QP, and keepalives received per QP.
@@ -277,6 +281,7 @@ impl<Q: SendEnd> EngineCore<Q> {
             cfg,
             stats,
             free: slots.rev().collect(),
+            unsent: Vec::new(),
             routes: HashMap::new(),
             flows: HashMap::new(),
             rx_by_qp: Totals::default(),
@@ -315,8 +320,16 @@ impl<Q: SendEnd> EngineCore<Q> {
         self.free.len()
     }
 
-    /// A taken slot given back unused: nothing was read into it, or what was read was not
-    /// sent, counted under `why` when given.
+    /// A packet read and not sent over a connection, its slot still taken: the loop offers it
+    /// to the UD path (the fast path lets it through there), then gives the slot back. So a
+    /// packet the engine cannot send is dropped only where UD cannot take it either.
+    pub fn next_unsent(&mut self) -> Option<(u32, u32)> {
+        // In the order they were let go: a flow's datagrams keep theirs over UD.
+        (!self.unsent.is_empty()).then(|| self.unsent.remove(0))
+    }
+
+    /// A taken slot given back: nothing was read into it, what was read was not sent
+    /// (counted under `why` when given), or an unsent packet was offered to UD.
     pub fn give_back(&mut self, slot: u32, why: Option<Dropped>) {
         self.free.push(slot);
         if let Some(why) = why {
@@ -434,7 +447,7 @@ impl<Q: SendEnd> EngineCore<Q> {
             self.routes.remove(&d.ip);
         }
         if let Some(flow) = self.flows.get_mut(&qpn) {
-            flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
+            flow.drop_waiting(&mut self.unsent, &self.stats, |s| &s.tx_no_connection);
         }
         self.rx_by_qp.forget(qpn);
         self.keepalives_by_qp.forget(qpn);
@@ -450,7 +463,8 @@ impl<Q: SendEnd> EngineCore<Q> {
     /// given back free with the reason counted.
     pub fn transmit(&mut self, slot: u32, msg: &[u8]) {
         if let Err(why) = self.post_or_queue(slot, msg) {
-            self.give_back(slot, Some(why));
+            count(why(&self.stats));
+            self.unsent.push((slot, msg.len() as u32));
         }
     }
 
@@ -509,8 +523,8 @@ impl<Q: SendEnd> EngineCore<Q> {
             let Some(i) = flow.victim_for(key, len as u32) else {
                 return Err(|s| &s.tx_backpressure);
             };
-            let (victim, _, _) = flow.waiting.remove(i).expect("a waiting packet");
-            self.free.push(victim);
+            let (victim, vlen, _) = flow.waiting.remove(i).expect("a waiting packet");
+            self.unsent.push((victim, vlen));
             count(&self.stats.tx_backpressure);
         }
         flow.waiting.push_back((slot, len as u32, key));
@@ -542,7 +556,7 @@ impl<Q: SendEnd> EngineCore<Q> {
             // still there; a send error taken in the same turn killed it: those wait no more.
             let Some(flow) = self.flows.get_mut(&qpn).filter(|f| !f.dead) else {
                 for r in &chain {
-                    self.free.push(r.slot);
+                    self.unsent.push((r.slot, r.len));
                     count(&self.stats.tx_backpressure);
                 }
                 if let Some(f) = self.flows.get_mut(&qpn) {
@@ -560,13 +574,13 @@ impl<Q: SendEnd> EngineCore<Q> {
                 tracing::debug!("post_send to {}: {e}", flow.dst);
                 for r in &chain[posted..] {
                     flow.in_flight -= 1;
-                    self.free.push(r.slot);
+                    self.unsent.push((r.slot, r.len));
                     count(&self.stats.send_errors);
                 }
                 // The window keeps the send queue from filling, so a QP that refuses a send is
                 // broken. Posting on would black-hole the peer's packets, and what waits here
                 // could wait for completions that never come: it fails as on a send in error.
-                let failed = flow.fail(qpn, None, &mut self.free, &self.stats);
+                let failed = flow.fail(qpn, None, &mut self.unsent, &self.stats);
                 self.events.extend(failed);
             }
         }
@@ -589,7 +603,7 @@ impl<Q: SendEnd> EngineCore<Q> {
         if let Some(status) = wc.error {
             // Kept, dead, until housekeeping finds it unrouted with every send back (its QP
             // alive till then, so its number is not another's).
-            let failed = flow.fail(wc.qp_num, Some(status), &mut self.free, &self.stats);
+            let failed = flow.fail(wc.qp_num, Some(status), &mut self.unsent, &self.stats);
             self.events.extend(failed);
             self.settle(wc.qp_num);
             return;
@@ -603,7 +617,7 @@ impl<Q: SendEnd> EngineCore<Q> {
                 .get(&flow.dst)
                 .is_some_and(|r| r.qp.qpn() == wc.qp_num);
         if !routed {
-            flow.drop_waiting(&mut self.free, &self.stats, |s| &s.tx_no_connection);
+            flow.drop_waiting(&mut self.unsent, &self.stats, |s| &s.tx_no_connection);
         } else if let Some((s, len, _)) = flow.waiting.pop_front() {
             flow.admit(&self.stats);
             self.outbox.push((wc.qp_num, request(s, len)));
@@ -678,7 +692,7 @@ impl<Q: SendEnd> EngineCore<Q> {
                 v.insert(Flow::new(*ip, r.qp.clone()))
             }
         };
-        let failed = flow.fail(qpn, Some(status), &mut self.free, &self.stats);
+        let failed = flow.fail(qpn, Some(status), &mut self.unsent, &self.stats);
         self.events.extend(failed);
     }
 
@@ -763,7 +777,7 @@ impl<Q: SendEnd> EngineCore<Q> {
                     // Refused: broken, as a data send refused says.
                     self.free.push(slot);
                     tracing::debug!("keepalive to {ip}: {e}");
-                    let failed = flow.fail(qpn, None, &mut self.free, &self.stats);
+                    let failed = flow.fail(qpn, None, &mut self.unsent, &self.stats);
                     self.events.extend(failed);
                 }
             }

@@ -65,6 +65,22 @@ fn read_to(c: &mut EngineCore<Qp>, dst: &str, len: usize) -> u32 {
     read(c, &packet(ip(dst), len))
 }
 
+/// What the core let go of unsent, offered to UD and given back, as the loop does at the
+/// end of each turn: (slot, length), in order.
+fn unsent(c: &mut EngineCore<Qp>) -> Vec<(u32, u32)> {
+    let out: Vec<_> = std::iter::from_fn(|| c.next_unsent()).collect();
+    for (slot, _) in &out {
+        c.give_back(*slot, None);
+    }
+    out
+}
+
+/// The send slots free once what was let go of unsent has been offered to UD.
+fn free(c: &mut EngineCore<Qp>) -> usize {
+    unsent(c);
+    c.free_slots()
+}
+
 /// Posts the outbox, every chain taken whole: (QP, slot, length) in posting order.
 fn post(c: &mut EngineCore<Qp>) -> Vec<(u32, u32, u32)> {
     let mut posted = Vec::new();
@@ -181,10 +197,10 @@ fn a_routed_packet_is_posted_on_its_connection_and_counted_sent_once_posted() {
             ("tx_depth_sum", 1 + 2),
         ]
     );
-    assert_eq!(c.free_slots(), SLOTS as usize - 2);
+    assert_eq!(free(&mut c), SLOTS as usize - 2);
     done(&mut c, 7, a, None);
     done(&mut c, 7, b, None);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     assert!(post(&mut c).is_empty());
     assert_eq!(events(&mut c), []);
 }
@@ -199,7 +215,7 @@ fn an_ipv6_packet_goes_by_its_destination_too() {
 }
 
 #[test]
-fn what_cannot_go_is_dropped_under_its_own_counter_and_its_slot_freed() {
+fn what_cannot_go_is_counted_under_its_own_reason_and_offered_to_ud() {
     let mut c = core_with(8, 4, 2);
     route(&mut c, "10.0.0.2", 7, 200);
     // Not IP: too short for a destination, or of no IP version.
@@ -232,10 +248,20 @@ fn what_cannot_go_is_dropped_under_its_own_counter_and_its_slot_freed() {
             ("tx_malformed", 3),
         ]
     );
+    // Each offered to UD in the order read, its slot taken until then (the loop sends what
+    // UD can take: here the datagrams, not what is no IP packet).
+    assert_eq!(
+        c.free_slots(),
+        SLOTS as usize - 9,
+        "one in flight, eight to offer"
+    );
+    let lens: Vec<u32> = unsent(&mut c).into_iter().map(|(_, len)| len).collect();
+    let hdr = VNET_HDR_LEN as u32;
+    assert_eq!(lens, [hdr + 19, 100, 0, 100, 100, 100, 100, 201]);
     assert_eq!(
         c.free_slots(),
         SLOTS as usize - 1,
-        "every dropped slot is free again"
+        "every other slot free again"
     );
 }
 
@@ -247,7 +273,7 @@ fn a_slot_given_back_is_counted_only_when_a_reason_is_given() {
     let s = c.take_slot().unwrap();
     c.give_back(s, Some(|s| &s.tx_oversize));
     assert_eq!(nonzero(&c), [("tx_oversize", 1)]);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -291,7 +317,7 @@ fn a_full_window_queues_in_order_and_each_completion_releases_the_next() {
     assert_eq!(stat(&c, "tx_depth_sum"), 1 + 2 + 2 + 2 + 2);
     done(&mut c, 7, s[3], None);
     done(&mut c, 7, s[4], None);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     assert_eq!(stat(&c, "tx_packets"), 5);
     assert_eq!(
         events(&mut c).len(),
@@ -328,7 +354,7 @@ fn past_the_backlog_the_peer_is_congested_once_and_drained_when_its_queue_emptie
     }
     done(&mut c, 7, s[4], None);
     assert_eq!(events(&mut c), []);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     // Congested again after draining: said again.
     for _ in 0..4 {
         read_to(&mut c, "10.0.0.2", 100);
@@ -350,11 +376,11 @@ fn a_congested_connection_leaves_spare_slots_to_the_others() {
     read_to(&mut c, "10.0.0.2", 100);
     read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(stat(&c, "tx_backpressure"), 0);
-    assert_eq!(c.free_slots(), 12);
+    assert_eq!(free(&mut c), 12);
     // The next would leave 11: dropped, its slot free again.
     read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(stat(&c, "tx_backpressure"), 1);
-    assert_eq!(c.free_slots(), 12);
+    assert_eq!(free(&mut c), 12);
     assert_eq!(
         events(&mut c),
         [EngineEvent::Congested(ip("10.0.0.2"))],
@@ -384,12 +410,14 @@ fn under_overload_a_sparse_flow_loses_nothing_to_a_bulk_one_on_its_connection() 
     let bulk: Vec<u32> = (0..4)
         .map(|_| read(&mut c, &datagram("10.0.0.2", 1, 1000)))
         .collect();
-    assert_eq!(c.free_slots(), 12);
+    assert_eq!(free(&mut c), 12);
     // A datagram of another flow past the bound: the bulk flow's oldest waiting one gives
     // its slot back (bulk[0] is in flight), and this one waits in the queue.
     let s1 = read(&mut c, &datagram("10.0.0.2", 2, 200));
     assert_eq!(stat(&c, "tx_backpressure"), 1);
-    assert_eq!(c.free_slots(), 12);
+    let offered: Vec<u32> = unsent(&mut c).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(offered, [bulk[1]], "the one dropped is offered to UD");
+    assert_eq!(free(&mut c), 12);
     // The bulk flow's next is its own to drop: with it, it would hold the most (3000 bytes).
     read(&mut c, &datagram("10.0.0.2", 1, 1000));
     assert_eq!(stat(&c, "tx_backpressure"), 2);
@@ -401,7 +429,7 @@ fn under_overload_a_sparse_flow_loses_nothing_to_a_bulk_one_on_its_connection() 
     // Now the small flow holds the queue: its next is the one dropped.
     read(&mut c, &datagram("10.0.0.2", 2, 200));
     assert_eq!(stat(&c, "tx_backpressure"), 5);
-    assert_eq!(c.free_slots(), 12);
+    assert_eq!(free(&mut c), 12);
     assert_eq!(stat(&c, "tx_window_waits"), 6);
     // What goes, in order: the first in flight, then the small flow's three.
     let mut sent = post(&mut c);
@@ -536,7 +564,7 @@ fn the_only_connection_keeps_every_slot_it_reads_into_past_the_backlog() {
         read_to(&mut c, "10.0.0.2", 100);
     }
     assert_eq!(stat(&c, "tx_backpressure"), 2);
-    assert_eq!(c.free_slots(), 12);
+    assert_eq!(free(&mut c), 12);
 }
 
 #[test]
@@ -556,7 +584,7 @@ fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
     );
     assert_eq!(stat(&c, "send_errors"), 1);
     assert_eq!(stat(&c, "tx_backpressure"), 2, "both waiting dropped");
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     assert!(post(&mut c).is_empty(), "nothing released by a failed send");
     // Dead until the control plane takes its route: what is read for it is dropped.
     read_to(&mut c, "10.0.0.2", 100);
@@ -567,7 +595,7 @@ fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
     done(&mut c, 7, k, Some(5));
     assert_eq!(stat(&c, "send_errors"), 2);
     assert_eq!(events(&mut c), []);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -601,7 +629,7 @@ fn a_qp_that_refuses_part_of_a_chain_is_dead_and_what_waits_for_it_dropped() {
         }]
     );
     assert_eq!(
-        c.free_slots(),
+        free(&mut c),
         SLOTS as usize - 1,
         "only the one posted is out"
     );
@@ -612,7 +640,7 @@ fn a_qp_that_refuses_part_of_a_chain_is_dead_and_what_waits_for_it_dropped() {
     assert_eq!(housekeeping(&mut c), []);
     done(&mut c, 7, s[0], Some(5));
     assert_eq!(events(&mut c), [], "said once");
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -660,7 +688,7 @@ fn sends_decided_for_a_connection_that_died_in_the_same_turn_are_not_posted() {
     );
     assert_eq!(stat(&c, "tx_backpressure"), 1);
     done(&mut c, 8, other, None);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 fn released(c: &mut EngineCore<Qp>) -> Vec<Released> {
@@ -712,7 +740,7 @@ fn what_waits_for_a_removed_route_goes_over_it_before_it_is_let_go() {
     );
     assert_eq!(stat(&c, "tx_no_connection"), 0);
     assert_eq!(stat(&c, "tx_packets"), 5);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     // Gone now: what comes next has no connection.
     read_to(&mut c, "10.0.0.2", 100);
     assert!(post(&mut c).is_empty());
@@ -759,7 +787,7 @@ fn a_dead_connections_route_is_removed_at_once() {
     assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Removed);
     assert!(released(&mut c).is_empty(), "nothing to let go later");
     assert!(!c.awaits_read_empty());
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -768,7 +796,7 @@ fn a_connection_that_dies_while_its_route_is_let_go_is_let_go_at_once() {
     done(&mut c, 7, s[0], Some(12));
     assert_eq!(released(&mut c).len(), 1, "not waiting for the TUN device");
     assert_eq!(stat(&c, "tx_backpressure"), 2);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -791,7 +819,7 @@ fn a_route_let_go_drops_what_still_waits_after_the_drain_bound() {
     // The send in flight comes back, late: its slot is free, nothing more goes.
     done(&mut c, 7, s[0], None);
     assert!(post(&mut c).is_empty());
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     housekeeping(&mut c);
     assert_eq!(stat(&c, "flows"), 0, "then forgotten");
 }
@@ -873,7 +901,7 @@ fn a_removal_after_the_route_moved_waits_for_the_old_connections_sends() {
         "nothing of it left"
     );
     assert_eq!(stat(&c, "tx_no_connection"), 0);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -895,7 +923,7 @@ fn a_congested_route_let_go_tells_the_control_plane_nothing_more() {
     assert!(events(&mut c).is_empty(), "no Congested, no Drained");
     c.handle_read_empty();
     assert_eq!(released(&mut c).len(), 1);
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
 }
 
 #[test]
@@ -908,7 +936,7 @@ fn what_waits_for_a_route_replaced_without_removal_is_dropped_at_the_next_comple
     done(&mut c, 7, s[0], None);
     assert!(post(&mut c).is_empty(), "nothing more on the old QP");
     assert_eq!(stat(&c, "tx_no_connection"), 3, "all three, not one");
-    assert_eq!(c.free_slots(), SLOTS as usize);
+    assert_eq!(free(&mut c), SLOTS as usize);
     housekeeping(&mut c);
     assert_eq!(stat(&c, "flows"), 0, "the old QP's flow is forgotten");
 }
@@ -1082,7 +1110,7 @@ fn a_keepalive_the_qp_refuses_gives_its_slot_back_and_kills_the_connection() {
     assert_eq!(tried, [7, 8]);
     assert_eq!(stat(&c, "keepalives_sent"), 1);
     assert_eq!(
-        c.free_slots(),
+        free(&mut c),
         SLOTS as usize - 1,
         "the refused one's slot is back"
     );
@@ -1124,9 +1152,10 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
             status: Some(10)
         }]
     );
-    read_to(&mut c, "10.0.0.2", 100);
+    let dead = read_to(&mut c, "10.0.0.2", 100);
     assert!(post(&mut c).is_empty());
     assert_eq!(stat(&c, "tx_no_connection"), 1);
+    assert_eq!(unsent(&mut c), [(dead, 100)]);
     // A flow that already sent dies the same way.
     route(&mut c, "10.0.0.3", 8, 65520);
     let s = read_to(&mut c, "10.0.0.3", 100);
@@ -1141,7 +1170,8 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
         3,
         "what waits is dropped at once"
     );
-    assert!(read[7..].iter().all(|s| c.free.contains(s)));
+    let offered: Vec<u32> = unsent(&mut c).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(offered, read[7..], "what waited is offered to UD, in order");
     assert_eq!(
         events(&mut c),
         [
@@ -1346,6 +1376,11 @@ impl Run {
         }
         events(&mut self.c);
         released(&mut self.c);
+        // The loop offers what was let go of to UD at the end of its turns; some steps here
+        // leave it taken until a later one.
+        if self.next(2) == 0 {
+            unsent(&mut self.c);
+        }
     }
 
     /// Every slot in one place; each QP's sends within its window, and counted by its flow.
@@ -1384,16 +1419,18 @@ impl Run {
         check_slots(&self.c, &self.in_flight, self.seed, 300);
         let seed = self.seed;
         assert_eq!(
-            self.c.free_slots(),
+            free(&mut self.c),
             SLOTS as usize,
             "seed {seed}: every slot back"
         );
     }
 }
 
-/// Each slot in exactly one place: free, waiting on a flow, decided, or on a QP.
+/// Each slot in exactly one place: free, let go of unsent, waiting on a flow, decided, or on a
+/// QP.
 fn check_slots(c: &EngineCore<Qp>, in_flight: &[(u32, u32)], seed: u64, step: u32) {
     let mut all: Vec<u32> = c.free.clone();
+    all.extend(c.unsent.iter().map(|(s, _)| *s));
     all.extend(
         c.flows
             .values()
