@@ -25,6 +25,11 @@ pub fn unit_capabilities() -> Vec<String> {
         .collect()
 }
 
+/// The unit's capabilities that only connected mode asks for: the engine's raw sockets to UD
+/// (`net_raw`). Attaching without an RDMA device needs none of them; the VM's confined test
+/// (`connected_mode_runs_with_only_the_units_capabilities`) finds the sockets made.
+pub const CONNECTED_MODE_ONLY: &[&str] = &["net_raw"];
+
 /// A script at `path` that runs this build's `ipoib-ctl` with only `caps` and no new
 /// privileges, under the unit's `LimitMEMLOCK=` (which must be `infinity`) where it can be
 /// raised.

@@ -580,6 +580,24 @@ fn connected_mode_runs_with_only_the_units_capabilities() {
     );
     assert!(cm > 1 << 20, "hardly anything went CM: {later:?}");
     assert!(registered > 0, "B registered no receive memory");
+    // Each engine holds its raw sockets to UD (CAP_NET_RAW): IPPROTO_RAW (255) on IPv4 and
+    // IPv6, listed in the node's namespace.
+    for n in [&a, &b] {
+        let ns = n.ns.clone();
+        let raw = ipoib_tests::cmlab::in_netns(&ns, || {
+            ["raw", "raw6"].map(|f| {
+                std::fs::read_to_string(format!("/proc/thread-self/net/{f}")).unwrap_or_default()
+            })
+        });
+        for (family, table) in ["IPv4", "IPv6"].iter().zip(raw) {
+            let held = table.lines().skip(1).any(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .is_some_and(|a| a.ends_with(":00FF"))
+            });
+            assert!(held, "{ns}: no {family} raw socket to UD:\n{table}");
+        }
+    }
     lab.teardown();
     settle(&dev, &baseline, COUNTED);
     let _ = std::fs::remove_dir_all(&dir);
