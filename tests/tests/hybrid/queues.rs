@@ -301,7 +301,8 @@ fn an_overflowing_connection_queue_sends_the_peer_ud_until_it_drains(recv: Recv)
 /// the connection lives, no send fails); A's queue fills past its bound, so A's next packets
 /// go UD until it drains; B's heartbeat lapses while its engine shows no life, so B sends UD
 /// meanwhile. Once B's engine turns again the stream goes on over CM, on the same connection,
-/// intact.
+/// intact. A paced UDP flow beside it loses nothing (A's one connection keeps every send slot
+/// it reads into; where there are more, what the engine cannot send goes UD: the soak).
 fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Recv) {
     let test = "a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact";
     let mut steps = Steps::new(test);
@@ -314,6 +315,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let (a, b) = (lab.a.clone(), lab.b.clone());
     let b_ip = b.ip4.to_string();
     let stream = Stream::start(&a, &b, 5340);
+    let udp = PacedUdp::start(&a, &b, 5341);
     cm_up_within(&a, &b, PROMOTION, "promoted");
     std::thread::sleep(Duration::from_secs(2));
     let before = cm_of(&a);
@@ -351,6 +353,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     let later = over_cm_past(&a, &b_ip, &back);
     let after = cm_of(&a);
     let sent = stream.finish();
+    let (datagrams, got) = udp.finish();
     let overflows = engine_count(&after, "tx_congested") - engine_count(&before, "tx_congested");
     let writes = generation().wrapping_sub(gen_before);
     eprintln!(
@@ -363,10 +366,24 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
         engine_count(&after, "send_errors"),
         sent >> 20
     );
+    let delta = |k: &str| engine_count(&after, k) - engine_count(&before, k);
+    eprintln!(
+        "the paced datagrams: {} of {datagrams} arrived; A's engine sent {} packets over UD \
+         that it could not send over the connection",
+        got.len(),
+        delta("tx_sent_ud")
+    );
     assert_eq!(
         engine_count(&after, "send_errors"),
         0,
         "a send failed: the dry ring killed the connection: {after:#?}"
+    );
+    assert_eq!(
+        got.len() as u32,
+        datagrams,
+        "datagrams lost: A's engine let go of {} past its bound and sent {} of them UD",
+        delta("tx_backpressure"),
+        delta("tx_sent_ud")
     );
     let peer = cm_peer(&after, &b_ip).expect("B in A's CM status");
     assert_eq!(
