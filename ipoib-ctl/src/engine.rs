@@ -22,15 +22,15 @@
 //! free for the other connections, if any: a switch to UD loses nothing. Past that a packet
 //! is let go and counted, one of the flow (source, protocol, ports) that holds the most
 //! bytes of the queue, so a sparse flow loses nothing to a bulk one beside it; and a packet
-//! let go, here or for any other reason, is sent over UD by a raw socket whose mark the
+//! let go, here or for want of a connection, is sent over UD by a raw socket whose mark the
 //! fast path lets through ([`ud`]), unless UD cannot carry it (a GSO super-packet: TCP sends
-//! it again), counted `tx_sent_ud`.
+//! it again): `tx_sent_ud`, `tx_not_sent_ud`.
 //! [`EngineEvent::Drained`] when the queue is empty again. TUN reads pause while no send slot
 //! is free. A send that completes in error, a receive that does (not
 //! flushed), or a send the QP refuses to take reports [`EngineEvent::QpError`] once per QP:
-//! what waits for it is dropped at once, and its flow stays, dead (what is read for it is
-//! dropped and counted as without a connection, no keepalive goes), until the control plane
-//! takes the route away. A live connection's route the control plane takes away goes once
+//! what waits for it is let go to UD at once, and its flow stays, dead (what is read for it
+//! is let go to UD, counted as without a connection; no keepalive goes), until the control
+//! plane takes the route away. A live connection's route the control plane takes away goes once
 //! what the engine holds for the peer has gone over it (what waits, what the TUN device still
 //! holds, the sends in flight; 2 s at most): a demotion loses nothing either.
 //!
@@ -65,6 +65,7 @@
 mod control;
 mod core;
 pub mod graves;
+mod packet;
 pub mod ud;
 
 use std::{
@@ -161,7 +162,7 @@ pub const KEEPALIVE_LEN: usize = VNET_HDR_LEN;
 impl Engine {
     /// `tun` must be non-blocking; `res` must have one lane, with a completion channel, and
     /// send slots of at least one CM message (65520 B). A packet longer than its connection's
-    /// MTU is dropped and counted (`tx_oversize`): the route's device must keep GSO packets
+    /// MTU is let go to UD and counted (`tx_oversize`): the route's device must keep GSO packets
     /// below it (gso_max_size).
     pub fn new(tun: Tun, res: Arc<Resources>, cfg: EngineConfig) -> Result<Self, EngineError> {
         Ok(Self::lanes(vec![tun], res, cfg)?.remove(0))
@@ -523,18 +524,20 @@ impl Io {
     /// What the core let go of unsent: over UD where it can go, then its slot free again.
     fn send_unsent(&mut self) {
         while let Some((slot, len)) = self.core.next_unsent() {
-            if let Some(ud) = &self.ud {
+            let sent = self.ud.as_ref().map(|ud| {
                 // SAFETY: the slot is still taken (the core gives it out again only once
                 // given back, below), and nothing posted uses it.
                 let msg = unsafe { &mut self.res.send.slot(slot)[..len as usize] };
-                match ud.send(msg) {
-                    Ok(()) => {
-                        let sent_ud = &self.core.stats().tx_sent_ud;
-                        sent_ud.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(why) => tracing::trace!("a packet not sent over UD either: {why:?}"),
+                ud.send(msg)
+            });
+            let stats = self.core.stats();
+            match sent {
+                Some(Ok(())) => stats.tx_sent_ud.fetch_add(1, Ordering::Relaxed),
+                why => {
+                    tracing::trace!("a packet not sent over UD either: {why:?}");
+                    stats.tx_not_sent_ud.fetch_add(1, Ordering::Relaxed)
                 }
-            }
+            };
             self.core.give_back(slot, None);
         }
     }

@@ -678,17 +678,17 @@ fn render_engine(out: &mut String, cm: &cm::CmStatus) {
     };
     let _ = writeln!(
         out,
-        "    engine{lanes}: tx {} msgs {}, rx {} msgs {}, not sent over CM {} (backpressure {}, no connection {}, oversize {}; \
-         of them sent UD {}), send errors {}, receive errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
+        "    engine{lanes}: tx {} msgs {}, rx {} msgs {}, let go to UD (backpressure {}, no connection {}, oversize {}, \
+         and sends the QP refused): {} sent, {} lost; send errors {}, receive errors {}, congested (a connection's queue past its backlog: its peer sent UD) {}, SRQ low {}",
         e("tx_packets"),
         human_bytes(e("tx_bytes")),
         e("rx_packets"),
         human_bytes(e("rx_bytes")),
-        e("tx_backpressure") + e("tx_no_connection") + e("tx_oversize"),
         e("tx_backpressure"),
         e("tx_no_connection"),
         e("tx_oversize"),
         e("tx_sent_ud"),
+        e("tx_not_sent_ud"),
         e("send_errors"),
         e("rx_errors"),
         e("tx_congested"),
@@ -1101,7 +1101,7 @@ mod tests {
         assert!(out.contains("(at most 1048552)"), "{out}");
     }
 
-    /// Each engine counter under its own words; the drops summed from their three causes;
+    /// Each engine counter under its own words: what was let go to UD by cause, then sent or lost;
     /// flushed receives (a closing connection's ring) not among the errors.
     #[test]
     fn the_engine_line_names_each_counter() {
@@ -1117,6 +1117,7 @@ mod tests {
             "rx_flushed",
             "tx_congested",
             "tx_sent_ud",
+            "tx_not_sent_ud",
         ]
         .iter()
         .enumerate()
@@ -1128,7 +1129,7 @@ mod tests {
         for want in [
             "tx 10 msgs",
             "rx 11 msgs",
-            "not sent over CM 39 (backpressure 12, no connection 13, oversize 14; of them sent UD 19)",
+            "let go to UD (backpressure 12, no connection 13, oversize 14, and sends the QP refused): 19 sent, 20 lost;",
             "send errors 15, receive errors 16, congested",
             "its peer sent UD) 18,",
         ] {

@@ -49,16 +49,16 @@ pub struct EngineStats {
     pub tx_bytes: AtomicU64,
     /// The longest message posted.
     pub tx_largest: AtomicU64,
-    /// Unicast packets for an address with no connection, or whose connection failed
-    /// (dropped).
+    /// Unicast packets for an address with no connection, or whose connection failed (let go
+    /// to UD: `tx_sent_ud`).
     pub tx_no_connection: AtomicU64,
     /// Multicast and broadcast packets (dropped: they always go UD; only the kernel's own
     /// chatter on the TUN device, never what the fast path redirects, lands here).
     pub tx_multicast: AtomicU64,
-    /// Packets longer than the connection's MTU (dropped).
+    /// Packets longer than the connection's MTU (let go to UD).
     pub tx_oversize: AtomicU64,
-    /// Packets dropped: a congested connection's queue met `spare_slots`, or they waited on a
-    /// failed QP.
+    /// Packets let go to UD: a congested connection's queue met `spare_slots`, or they waited
+    /// on a failed QP.
     pub tx_backpressure: AtomicU64,
     /// Times a connection's queue overflowed and its peer was sent to UD until it drained.
     pub tx_congested: AtomicU64,
@@ -70,10 +70,11 @@ pub struct EngineStats {
     pub tx_depth_sum: AtomicU64,
     /// Packets that were not IP (dropped).
     pub tx_malformed: AtomicU64,
-    /// Of the packets counted above as not sent over a connection (backpressure, no
-    /// connection, oversize, malformed, multicast, and sends the QP refused), those sent
-    /// over UD instead: the rest were lost.
+    /// Packets let go to UD (counted above under backpressure, no connection or oversize, or
+    /// in `send_errors` where the QP refused them): those sent over UD, and those UD could not
+    /// take (a GSO packet, one the socket refused, or no socket): lost.
     pub tx_sent_ud: AtomicU64,
+    pub tx_not_sent_ud: AtomicU64,
     pub send_errors: AtomicU64,
     pub rx_packets: AtomicU64,
     pub rx_bytes: AtomicU64,
@@ -184,6 +185,7 @@ pub(super) const COUNTERS: &[(&str, Counter)] = &[
     ("tx_depth_sum", |s| &s.tx_depth_sum),
     ("tx_malformed", |s| &s.tx_malformed),
     ("tx_sent_ud", |s| &s.tx_sent_ud),
+    ("tx_not_sent_ud", |s| &s.tx_not_sent_ud),
     ("send_errors", |s| &s.send_errors),
     ("rx_packets", |s| &s.rx_packets),
     ("rx_bytes", |s| &s.rx_bytes),

@@ -1,6 +1,6 @@
 //! The engine's decisions, free of I/O: which connection a packet read from the TUN device
-//! goes to; whether it is posted, waits behind its connection's window, or is dropped (and
-//! under which counter); which waiting packet a send completion releases; when a connection
+//! goes to; whether it is posted, waits behind its connection's window, or is let go to UD
+//! or dropped (and under which counter); which waiting packet a send completion releases; when a connection
 //! is congested, drained or dead; which connections get a keepalive; the send slots free;
 //! what a receive completion is (a packet, a keepalive, a failure, a flush) and whether its
 //! buffer is posted again; the receive totals per QP. [`super::Engine`]'s loop reads the TUN
@@ -22,7 +22,10 @@ use std::{
     },
 };
 
-use super::{EngineConfig, EngineEvent, EngineStats, KEEPALIVE_LEN, READ_BATCH, Route};
+use super::{
+    EngineConfig, EngineEvent, EngineStats, KEEPALIVE_LEN, READ_BATCH, Route,
+    packet::{destination, flow_key},
+};
 use crate::{
     tun::VNET_HDR_LEN,
     verbs::{Completion, RcQueuePair, SendRequest, WC_FLUSHED},
@@ -53,8 +56,17 @@ pub enum Receipt {
     Keep,
 }
 
-/// Which counter a dropped packet is counted under.
+/// Which counter a packet not sent over a connection is counted under.
 pub(crate) type Dropped = fn(&EngineStats) -> &AtomicU64;
+
+/// Why a packet read was not sent over a connection, and what becomes of it.
+enum NotSent {
+    /// Let go to UD ([`EngineCore::next_unsent`]).
+    ToUd(Dropped),
+    /// Dropped, its slot free at once: no unicast IP packet (the kernel's own chatter on the
+    /// TUN device, which UD has had already).
+    Dropped(Dropped),
+}
 
 /// Per-connection send state, by QP number.
 struct Flow<Q> {
@@ -80,21 +92,26 @@ impl<Q> Flow<Q> {
     }
 
     /// Lets go of what waits, each packet to `unsent` (offered to UD), counted under `why`.
-    fn drop_waiting(&mut self, unsent: &mut Vec<(u32, u32)>, stats: &EngineStats, why: Dropped) {
+    fn drop_waiting(
+        &mut self,
+        unsent: &mut VecDeque<(u32, u32)>,
+        stats: &EngineStats,
+        why: Dropped,
+    ) {
         for (s, len, _) in self.waiting.drain(..) {
-            unsent.push((s, len));
+            unsent.push_back((s, len));
             count(why(stats));
         }
     }
 
     /// The connection on QP `qpn` failed (`status`: the completion's, `None` for a send the
-    /// QP refused): nothing more is posted on it, and what waits for it is dropped
+    /// QP refused): nothing more is posted on it, and what waits for it is let go to UD
     /// (`tx_backpressure`). The first time, the [`EngineEvent::QpError`] that reports it.
     fn fail(
         &mut self,
         qpn: u32,
         status: Option<u32>,
-        unsent: &mut Vec<(u32, u32)>,
+        unsent: &mut VecDeque<(u32, u32)>,
         stats: &EngineStats,
     ) -> Option<EngineEvent> {
         self.drop_waiting(unsent, stats, |s| &s.tx_backpressure);
@@ -167,44 +184,6 @@ fn request(slot: u32, len: u32) -> SendRequest {
     }
 }
 
-/// An IP packet's flow within its connection: its source address, protocol and ports (none
-/// for a fragment after the first, nor past IPv6 extension headers), hashed.
-fn flow_key(pkt: &[u8]) -> u64 {
-    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-    let (src, proto, l4) = match pkt.first().map(|b| b >> 4) {
-        Some(4) => {
-            let ihl = usize::from(pkt[0] & 0x0f) * 4;
-            let later_fragment = pkt
-                .get(6..8)
-                .is_some_and(|f| u16::from_be_bytes([f[0], f[1]]) & 0x1fff != 0);
-            let l4 = if later_fragment { None } else { pkt.get(ihl..) };
-            (pkt.get(12..16), pkt.get(9), l4)
-        }
-        Some(6) => (pkt.get(8..24), pkt.get(6), pkt.get(40..)),
-        _ => (None, None, None),
-    };
-    let ports = match proto {
-        Some(6 | 17 | 132) => l4.and_then(|l| l.get(..4)),
-        _ => None,
-    };
-    BuildHasherDefault::<DefaultHasher>::default().hash_one((src, proto, ports))
-}
-
-/// The destination address of an IP packet.
-pub(super) fn destination(pkt: &[u8]) -> Option<IpAddr> {
-    match pkt.first()? >> 4 {
-        4 => {
-            let a: [u8; 4] = pkt.get(16..20)?.try_into().ok()?;
-            Some(IpAddr::from(a))
-        }
-        6 => {
-            let a: [u8; 16] = pkt.get(24..40)?.try_into().ok()?;
-            Some(IpAddr::from(a))
-        }
-        _ => None,
-    }
-}
-
 pub(super) fn count(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
@@ -214,7 +193,7 @@ pub(super) fn count(c: &AtomicU64) {
 pub enum Removal {
     /// Nothing of it is here: another engine's route, or gone already.
     NotHere,
-    /// Removed at once: its connection is dead (what waited for it was dropped as it died).
+    /// Removed at once: its connection is dead (what waited for it was let go as it died).
     Removed,
     /// Kept until what this engine holds for the destination has gone over it; then let go,
     /// as [`EngineCore::next_released`] says.
@@ -244,7 +223,7 @@ struct Drain {
 
 /// Housekeepings a removal waits at most (2 s) for what the engine holds for the destination
 /// (a connection that stopped completing its sends would otherwise hold it for good): then
-/// what still waits is dropped (`tx_no_connection`) and the route let go.
+/// what still waits is let go to UD (`tx_no_connection`) and the route let go.
 const DRAIN_HOUSEKEEPINGS: u32 = 4;
 
 pub struct EngineCore<Q> {
@@ -255,7 +234,7 @@ pub struct EngineCore<Q> {
     /// Packets read and not sent over a connection (each counted under its reason): send
     /// slot and length. Their slots stay taken until the loop has offered them to the UD path
     /// ([`EngineCore::next_unsent`]) and given them back.
-    unsent: Vec<(u32, u32)>,
+    unsent: VecDeque<(u32, u32)>,
     routes: HashMap<IpAddr, Route<Q>>,
     flows: HashMap<u32, Flow<Q>>,
     /// Bytes received per QP, and keepalives received per QP.
@@ -281,7 +260,7 @@ impl<Q: SendEnd> EngineCore<Q> {
             cfg,
             stats,
             free: slots.rev().collect(),
-            unsent: Vec::new(),
+            unsent: VecDeque::new(),
             routes: HashMap::new(),
             flows: HashMap::new(),
             rx_by_qp: Totals::default(),
@@ -325,7 +304,7 @@ impl<Q: SendEnd> EngineCore<Q> {
     /// packet the engine cannot send is dropped only where UD cannot take it either.
     pub fn next_unsent(&mut self) -> Option<(u32, u32)> {
         // In the order they were let go: a flow's datagrams keep theirs over UD.
-        (!self.unsent.is_empty()).then(|| self.unsent.remove(0))
+        self.unsent.pop_front()
     }
 
     /// A taken slot given back: nothing was read into it, what was read was not sent
@@ -359,7 +338,7 @@ impl<Q: SendEnd> EngineCore<Q> {
     /// them). So the route stays until the TUN device has been read empty once and nothing
     /// waits or is in flight on the QP; then it is let go ([`EngineCore::next_released`]),
     /// its totals forgotten. A dead connection's route goes at once; past 4 housekeepings
-    /// (2 s) what still waits is dropped (`tx_no_connection`).
+    /// (2 s) what still waits is let go to UD (`tx_no_connection`).
     pub fn remove_route(&mut self, ip: IpAddr, qpn: u32) -> Removal {
         let routed = self.routes.get(&ip).is_some_and(|r| r.qp.qpn() == qpn);
         let flow = self.flows.get_mut(&qpn);
@@ -436,8 +415,8 @@ impl<Q: SendEnd> EngineCore<Q> {
         }
     }
 
-    /// Lets go of the route to `qpn` being let go, whatever is left: what still waits is
-    /// dropped.
+    /// Lets go of the route to `qpn` being let go, whatever is left: what still waits is let
+    /// go to UD.
     fn release(&mut self, qpn: u32) {
         let Some(d) = self.draining.remove(&qpn) else {
             return;
@@ -459,34 +438,40 @@ impl<Q: SendEnd> EngineCore<Q> {
     }
 
     /// The packet `msg` (virtio-net header and IP packet) read into send slot `slot`: to its
-    /// connection. The slot is put in the outbox, queued behind its connection's window, or
-    /// given back free with the reason counted.
+    /// connection. The slot is put in the outbox or queued behind its connection's window;
+    /// else, the reason counted, the packet is let go to UD ([`EngineCore::next_unsent`]), or
+    /// its slot given back free where it is no unicast IP packet (the kernel's own chatter on
+    /// the TUN device, which UD must not get twice).
     pub fn transmit(&mut self, slot: u32, msg: &[u8]) {
-        if let Err(why) = self.post_or_queue(slot, msg) {
-            count(why(&self.stats));
-            self.unsent.push((slot, msg.len() as u32));
+        match self.post_or_queue(slot, msg) {
+            Ok(()) => {}
+            Err(NotSent::ToUd(why)) => {
+                count(why(&self.stats));
+                self.unsent.push_back((slot, msg.len() as u32));
+            }
+            Err(NotSent::Dropped(why)) => self.give_back(slot, Some(why)),
         }
     }
 
     /// Puts the packet in `slot` in the outbox, or queues it behind its connection's sends in
-    /// flight; else the counter of why it is dropped.
-    fn post_or_queue(&mut self, slot: u32, msg: &[u8]) -> Result<(), Dropped> {
+    /// flight; else why not.
+    fn post_or_queue(&mut self, slot: u32, msg: &[u8]) -> Result<(), NotSent> {
         let len = msg.len();
         let Some(dst) = msg.get(VNET_HDR_LEN..).and_then(destination) else {
-            return Err(|s| &s.tx_malformed);
+            return Err(NotSent::Dropped(|s| &s.tx_malformed));
         };
         let multicast = match dst {
             IpAddr::V4(a) => a.is_multicast() || a.is_broadcast(),
             IpAddr::V6(a) => a.is_multicast(),
         };
         if multicast {
-            return Err(|s| &s.tx_multicast);
+            return Err(NotSent::Dropped(|s| &s.tx_multicast));
         }
         let Some(route) = self.routes.get(&dst) else {
-            return Err(|s| &s.tx_no_connection);
+            return Err(NotSent::ToUd(|s| &s.tx_no_connection));
         };
         if len > route.mtu as usize {
-            return Err(|s| &s.tx_oversize);
+            return Err(NotSent::ToUd(|s| &s.tx_oversize));
         }
         let qpn = route.qp.qpn();
         let flow = self
@@ -495,7 +480,7 @@ impl<Q: SendEnd> EngineCore<Q> {
             .or_insert_with(|| Flow::new(dst, route.qp.clone()));
         if flow.dead {
             // Reported; its route goes when the control plane hears of it.
-            return Err(|s| &s.tx_no_connection);
+            return Err(NotSent::ToUd(|s| &s.tx_no_connection));
         }
         let full = flow.in_flight >= self.cfg.max_send_wr;
         if !full {
@@ -517,14 +502,14 @@ impl<Q: SendEnd> EngineCore<Q> {
             self.events.push_back(EngineEvent::Congested(dst));
         }
         // Slots are kept back only where another connection may need them; then a packet
-        // of the queue's fattest flow (in bytes) is the one dropped.
+        // of the queue's fattest flow (in bytes) is the one let go to UD.
         let keep = self.routes.len() < 2 || self.free.len() >= self.cfg.spare_slots;
         if !keep {
             let Some(i) = flow.victim_for(key, len as u32) else {
-                return Err(|s| &s.tx_backpressure);
+                return Err(NotSent::ToUd(|s| &s.tx_backpressure));
             };
             let (victim, vlen, _) = flow.waiting.remove(i).expect("a waiting packet");
-            self.unsent.push((victim, vlen));
+            self.unsent.push_back((victim, vlen));
             count(&self.stats.tx_backpressure);
         }
         flow.waiting.push_back((slot, len as u32, key));
@@ -556,7 +541,7 @@ impl<Q: SendEnd> EngineCore<Q> {
             // still there; a send error taken in the same turn killed it: those wait no more.
             let Some(flow) = self.flows.get_mut(&qpn).filter(|f| !f.dead) else {
                 for r in &chain {
-                    self.unsent.push((r.slot, r.len));
+                    self.unsent.push_back((r.slot, r.len));
                     count(&self.stats.tx_backpressure);
                 }
                 if let Some(f) = self.flows.get_mut(&qpn) {
@@ -574,7 +559,7 @@ impl<Q: SendEnd> EngineCore<Q> {
                 tracing::debug!("post_send to {}: {e}", flow.dst);
                 for r in &chain[posted..] {
                     flow.in_flight -= 1;
-                    self.unsent.push((r.slot, r.len));
+                    self.unsent.push_back((r.slot, r.len));
                     count(&self.stats.send_errors);
                 }
                 // The window keeps the send queue from filling, so a QP that refuses a send is
@@ -589,7 +574,7 @@ impl<Q: SendEnd> EngineCore<Q> {
     }
 
     /// A send completed: its slot is free, and a waiting packet of the same connection goes
-    /// to the outbox. In error, the QP is dead: what waits for it is dropped and it is
+    /// to the outbox. In error, the QP is dead: what waits for it is let go to UD and it is
     /// reported once.
     pub fn handle_send_done(&mut self, wc: &Completion) {
         if wc.error.is_some() {
@@ -680,7 +665,7 @@ impl<Q: SendEnd> EngineCore<Q> {
     /// A receive on `qpn` failed on its own (a message longer than its buffer, a protocol
     /// error: not a flush, which only follows a failure): the QP is in error, as a failed send
     /// says, and is reported the same way, once, its flow marked dead (no more sends posted,
-    /// what waits dropped).
+    /// what waits let go to UD).
     fn receive_failed(&mut self, qpn: u32, status: u32) {
         let flow = match self.flows.entry(qpn) {
             Entry::Occupied(f) => f.into_mut(),

@@ -29,35 +29,44 @@ pub enum NotUd {
 /// Raw IPv4 and IPv6 sockets out of one interface, non-blocking, their packets marked.
 pub struct UdOut {
     v4: Socket,
-    v6: Socket,
+    /// None where the node has no IPv6 (its IPv6 packets are then not sent).
+    v6: Option<Socket>,
 }
 
+/// A send buffer for a burst: a dead connection's queue (128 packets of up to 4 KiB on IPoIB)
+/// let go at once.
+const SNDBUF: libc::c_int = 4 << 20;
+
 impl UdOut {
-    /// Sockets out of `iface`. Needs CAP_NET_RAW and CAP_NET_ADMIN (the mark).
+    /// Sockets out of `iface`. Needs CAP_NET_RAW and CAP_NET_ADMIN (the mark, the buffer).
     pub fn new(iface: &str) -> io::Result<Self> {
         let open = |domain| -> io::Result<Socket> {
+            // IPPROTO_RAW: the IP header is the packet's own, on IPv4 and IPv6 alike.
             let s = Socket::new(domain, Type::RAW, Some(Protocol::from(libc::IPPROTO_RAW)))?;
             s.set_mark(UD_MARK)?;
             s.bind_device(Some(iface.as_bytes()))?;
             s.set_nonblocking(true)?;
+            // Past net.core.wmem_max: SO_SNDBUFFORCE (CAP_NET_ADMIN).
+            let size = SNDBUF;
+            // SAFETY: a plain setsockopt on an fd this owns, with an int's size.
+            let r = unsafe {
+                libc::setsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&s),
+                    libc::SOL_SOCKET,
+                    libc::SO_SNDBUFFORCE,
+                    (&raw const size).cast(),
+                    size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if r != 0 {
+                tracing::debug!("{iface}: the raw socket's send buffer stays the default");
+            }
             Ok(s)
         };
-        let (v4, v6) = (open(Domain::IPV4)?, open(Domain::IPV6)?);
-        // IPPROTO_RAW implies the header is ours on IPv4; on IPv6 it is asked for.
-        let on: libc::c_int = 1;
-        // SAFETY: a plain setsockopt on an fd this owns, with an int's size.
-        let r = unsafe {
-            libc::setsockopt(
-                std::os::fd::AsRawFd::as_raw_fd(&v6),
-                libc::IPPROTO_IPV6,
-                libc::IPV6_HDRINCL,
-                (&raw const on).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let v4 = open(Domain::IPV4)?;
+        let v6 = open(Domain::IPV6)
+            .inspect_err(|e| tracing::info!("{iface}: no IPv6 raw socket to UD: {e}"))
+            .ok();
         Ok(Self { v4, v6 })
     }
 
@@ -65,7 +74,12 @@ impl UdOut {
     /// transport checksum completed first where the header says it is partial.
     pub fn send(&self, msg: &mut [u8]) -> Result<(), NotUd> {
         let dst = prepare(msg)?;
-        let sock = if dst.is_ipv4() { &self.v4 } else { &self.v6 };
+        let sock = if dst.is_ipv4() {
+            &self.v4
+        } else {
+            let none = NotUd::Refused(io::ErrorKind::Unsupported);
+            self.v6.as_ref().ok_or(none)?
+        };
         sock.send_to(
             &msg[VNET_HDR_LEN..],
             &SockAddr::from(SocketAddr::new(dst, 0)),
@@ -83,7 +97,7 @@ pub fn prepare(msg: &mut [u8]) -> Result<IpAddr, NotUd> {
         return Err(NotUd::Gso);
     }
     let pkt = &mut msg[VNET_HDR_LEN..];
-    let dst = super::core::destination(pkt).ok_or(NotUd::Malformed)?;
+    let dst = super::packet::destination(pkt).ok_or(NotUd::Malformed)?;
     if hdr.flags & VNET_F_NEEDS_CSUM != 0 {
         finish_checksum(pkt, hdr.csum_start.into(), hdr.csum_offset.into())
             .ok_or(NotUd::Malformed)?;

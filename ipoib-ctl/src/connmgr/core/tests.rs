@@ -226,8 +226,8 @@ fn a_gone_peer_goes_ud_before_its_connection_is_closed() {
     }
 }
 
-#[test]
-fn a_shed_connection_is_ud_once_closed() {
+/// Datagram mode sheds the connection to 10.0.0.2 (up, QP 77); the core, its commands taken.
+fn shedding() -> (Core, u64) {
     let mut c = core(4);
     let t = up(&mut c, ip(2), 77, 4);
     c.handle_tick(
@@ -240,8 +240,31 @@ fn a_shed_connection_is_ud_once_closed() {
         },
     );
     assert_eq!(drain(&mut c), demoted(ip(2), 77, true));
+    (c, t + 2)
+}
+
+#[test]
+fn a_peer_silent_while_its_connection_is_shed_still_backs_off() {
+    let (mut c, t) = shedding();
+    c.handle_gone(t * SEC, ip(2), 77, Gone::Silent);
+    let close = Command::RemoveRoute {
+        ip: ip(2),
+        qpn: 77,
+        close: true,
+    };
+    assert_eq!(drain(&mut c), [close]);
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Backoff);
+    // A peer that closed its end meanwhile is no failure: the shed goes on.
+    let (mut c, t) = shedding();
+    c.handle_gone(t * SEC, ip(2), 77, Gone::Closed);
     assert_eq!(c.peers(0)[0].state, CmPeerState::Closing);
-    c.handle_closed((t + 2) * SEC, ip(2), 77);
+}
+
+#[test]
+fn a_shed_connection_is_ud_once_closed() {
+    let (mut c, t) = shedding();
+    assert_eq!(c.peers(0)[0].state, CmPeerState::Closing);
+    c.handle_closed(t * SEC, ip(2), 77);
     assert_eq!(drain(&mut c), demoted(ip(2), 77, false));
     assert_eq!(c.peers(0)[0].state, CmPeerState::Ud);
 }

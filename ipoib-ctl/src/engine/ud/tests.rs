@@ -104,3 +104,44 @@ fn a_sum_of_zero_is_sent_as_all_ones() {
     finish_checksum(&mut pkt, 0, 2).unwrap();
     assert_eq!(pkt[2..], (!0x1234u16).to_be_bytes());
 }
+
+#[test]
+fn an_ipv6_tcp_checksum_is_finished_too() {
+    let (src, dst) = ([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], {
+        let mut d = [0u8; 16];
+        d[0] = 0xfd;
+        d[15] = 2;
+        d
+    });
+    for payload in [0usize, 1, 999] {
+        let data: Vec<u8> = (0..payload).map(|i| (i * 13 + 5) as u8).collect();
+        let mut whole = Vec::new();
+        PacketBuilder::ipv6(src, dst, 64)
+            .tcp(4000, 5000, 7, 65000)
+            .write(&mut whole, &data)
+            .unwrap();
+        // The pseudo-header's sum (addresses, upper-layer length, next header) in the field.
+        let tcp_len = (20 + payload) as u32;
+        let mut sum: u32 = src
+            .chunks(2)
+            .chain(dst.chunks(2))
+            .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+            .sum();
+        sum += tcp_len + 6;
+        while sum > 0xffff {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        let mut partial = whole.clone();
+        partial[40 + 16..40 + 18].copy_from_slice(&(sum as u16).to_be_bytes());
+        let hdr = VnetHdr {
+            flags: VNET_F_NEEDS_CSUM,
+            csum_start: 40,
+            csum_offset: 16,
+            ..VnetHdr::default()
+        };
+        let mut msg = hdr.encode().to_vec();
+        msg.extend_from_slice(&partial);
+        assert_eq!(prepare(&mut msg), Ok(IpAddr::from(dst)));
+        assert_eq!(msg[VNET_HDR_LEN..], whole, "{payload} bytes");
+    }
+}
