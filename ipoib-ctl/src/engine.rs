@@ -393,7 +393,12 @@ impl Engine {
                         self.io.flush();
                     }
                 }
-                Ok(_) => self.io.core.give_back(slot, Some(|s| &s.tx_oversize)),
+                Ok(_) => {
+                    // Cut short by its slot: UD could not carry it either.
+                    self.io.core.give_back(slot, Some(|s| &s.tx_oversize));
+                    let stats = self.io.core.stats();
+                    stats.tx_not_sent_ud.fetch_add(1, Ordering::Relaxed);
+                }
                 Err(e) => {
                     self.io.core.give_back(slot, None);
                     if e.kind() == io::ErrorKind::WouldBlock {
@@ -482,8 +487,8 @@ impl Io {
 
     /// `ip`'s steering to this lane's queue set (before its route: its packets are read
     /// here from then on) or cleared, with `change`; with one lane there is none. A failure
-    /// leaves the destination where it was (its packets read by another lane are dropped
-    /// there, counted as without a connection), and is said.
+    /// leaves the destination where it was (its packets read by another lane are let go to
+    /// UD there, counted as without a connection), and is said.
     fn steer(
         &self,
         ip: IpAddr,

@@ -259,11 +259,8 @@ impl Core {
     pub fn handle_gone(&mut self, now: u64, ip: IpAddr, qpn: u32, gone: Gone) {
         self.rx_seen.remove(&qpn);
         if self.live.get(&ip) != Some(&qpn) {
-            // An older connection of a peer that has a newer one: closed, nothing else changes.
-            // One being let go already: closed; a peer silent meanwhile still backs off.
-            if gone == Gone::Silent && !self.live.contains_key(&ip) {
-                self.promoter.failed(now, &ip, Failure::Timeout);
-            }
+            // An older connection of a peer that has a newer one, or one being let go already
+            // (shed, or given up on a QP error): closed, and nothing else changes.
             self.push(Command::RemoveRoute {
                 ip,
                 qpn,

@@ -74,6 +74,7 @@ pub struct EngineStats {
     /// in `send_errors` where the QP refused them): those sent over UD, and those UD could not
     /// take (a GSO packet, one the socket refused, or no socket): lost.
     pub tx_sent_ud: AtomicU64,
+    /// Packets let go to UD that UD could not take: lost.
     pub tx_not_sent_ud: AtomicU64,
     pub send_errors: AtomicU64,
     pub rx_packets: AtomicU64,
@@ -368,7 +369,7 @@ pub struct EngineConfig {
     /// is sent UD until the queue drains.
     pub backlog: usize,
     /// Send slots a congested connection leaves free for the others (when there are others):
-    /// its packets past `backlog` still wait while more are free, and are dropped after.
+    /// its packets past `backlog` still wait while more are free, and are let go to UD after.
     pub spare_slots: usize,
 }
 

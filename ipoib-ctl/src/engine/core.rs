@@ -118,11 +118,11 @@ impl<Q> Flow<Q> {
         (!std::mem::replace(&mut self.dead, true)).then_some(EngineEvent::QpError { qpn, status })
     }
 
-    /// Which waiting packet to drop so that a packet of `len` bytes of flow `key` may wait: the
-    /// oldest of the flow that holds the most bytes of the queue, if that is not `key`'s own
-    /// with this packet (then None: the new packet is the one dropped). A sparse flow so loses
-    /// nothing to a bulk one that shares its connection, as fq_codel drops from its fattest
-    /// flow; by bytes, since a bulk flow's packets are few and large.
+    /// Which waiting packet to let go so that a packet of `len` bytes of flow `key` may wait:
+    /// the oldest of the flow that holds the most bytes of the queue, if that is not `key`'s
+    /// own with this packet (then None: the new packet is the one let go). A sparse flow so
+    /// keeps its place beside a bulk one that shares its connection, as fq_codel drops from
+    /// its fattest flow; by bytes, since a bulk flow's packets are few and large.
     fn victim_for(&self, key: u64, len: u32) -> Option<usize> {
         let mut held: HashMap<u64, u64> = HashMap::new();
         for (_, l, k) in &self.waiting {

@@ -2,8 +2,8 @@
 //! queue past the bound, the connection gone or failed): raw IP sockets bound to the
 //! interface, whose packets carry [`UD_MARK`] so that the fast path lets them through to UD.
 //! A packet is then lost only where UD cannot carry it either: a GSO super-packet (TCP sends
-//! it again), one longer than the interface's MTU, one that is no IP packet, or one the socket
-//! refuses (its buffer full).
+//! it again), one longer than the interface's MTU, one that is no IP packet, one the socket
+//! refuses (its buffer full), or an IPv6 packet where the node has no IPv6 raw socket.
 
 use std::{
     io,
@@ -24,6 +24,8 @@ pub enum NotUd {
     Malformed,
     /// The socket refused it (too long for the MTU, its buffer full, no route).
     Refused(io::ErrorKind),
+    /// An IPv6 packet, and the node has no IPv6 raw socket.
+    NoSocket,
 }
 
 /// Raw IPv4 and IPv6 sockets out of one interface, non-blocking, their packets marked.
@@ -59,7 +61,8 @@ impl UdOut {
                 )
             };
             if r != 0 {
-                tracing::debug!("{iface}: the raw socket's send buffer stays the default");
+                let e = io::Error::last_os_error();
+                tracing::debug!("{iface}: the raw socket's send buffer stays the default: {e}");
             }
             Ok(s)
         };
@@ -77,8 +80,7 @@ impl UdOut {
         let sock = if dst.is_ipv4() {
             &self.v4
         } else {
-            let none = NotUd::Refused(io::ErrorKind::Unsupported);
-            self.v6.as_ref().ok_or(none)?
+            self.v6.as_ref().ok_or(NotUd::NoSocket)?
         };
         sock.send_to(
             &msg[VNET_HDR_LEN..],

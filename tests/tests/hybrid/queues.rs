@@ -359,7 +359,7 @@ fn a_receiver_whose_engine_pauses_under_a_burst_keeps_the_stream_intact(recv: Re
     eprintln!(
         "B's engine paused 2 s: A's packets for B went UD meanwhile: {} (seen UD {went_ud}, \
          B's entry at A written {writes} times; A's queue overflowed {overflows} time(s), {} \
-         packets dropped at its bound); B's fail-safe seen: {b_failsafe}; A's send errors {}; \
+         packets let go to UD at its bound); B's fail-safe seen: {b_failsafe}; A's send errors {}; \
          {} MiB crossed intact",
         went_ud || writes >= 2,
         engine_count(&after, "tx_backpressure") - engine_count(&before, "tx_backpressure"),

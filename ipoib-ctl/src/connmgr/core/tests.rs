@@ -244,20 +244,27 @@ fn shedding() -> (Core, u64) {
 }
 
 #[test]
-fn a_peer_silent_while_its_connection_is_shed_still_backs_off() {
-    let (mut c, t) = shedding();
+fn a_connection_let_go_already_is_closed_when_its_peer_is_gone_and_nothing_else_changes() {
+    // Being shed: the shed goes on, whichever way the peer went.
+    for gone in [Gone::Silent, Gone::Closed] {
+        let (mut c, t) = shedding();
+        c.handle_gone(t * SEC, ip(2), 77, gone);
+        let close = Command::RemoveRoute {
+            ip: ip(2),
+            qpn: 77,
+            close: true,
+        };
+        assert_eq!(drain(&mut c), [close], "{gone:?}");
+        assert_eq!(c.peers(0)[0].state, CmPeerState::Closing, "{gone:?}");
+    }
+    // Given up on a QP error: one failure, not two.
+    let mut c = core(4);
+    let t = up(&mut c, ip(2), 77, 4);
+    c.handle_qp_error(t * SEC, 77, "status 12");
+    drain(&mut c);
     c.handle_gone(t * SEC, ip(2), 77, Gone::Silent);
-    let close = Command::RemoveRoute {
-        ip: ip(2),
-        qpn: 77,
-        close: true,
-    };
-    assert_eq!(drain(&mut c), [close]);
+    assert_eq!(c.peers(0)[0].failures, 1);
     assert_eq!(c.peers(0)[0].state, CmPeerState::Backoff);
-    // A peer that closed its end meanwhile is no failure: the shed goes on.
-    let (mut c, t) = shedding();
-    c.handle_gone(t * SEC, ip(2), 77, Gone::Closed);
-    assert_eq!(c.peers(0)[0].state, CmPeerState::Closing);
 }
 
 #[test]

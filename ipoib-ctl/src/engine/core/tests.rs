@@ -377,7 +377,7 @@ fn a_congested_connection_leaves_spare_slots_to_the_others() {
     read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(stat(&c, "tx_backpressure"), 0);
     assert_eq!(free(&mut c), 12);
-    // The next would leave 11: dropped, its slot free again.
+    // The next would leave 11: let go to UD, its slot free again once offered.
     read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(stat(&c, "tx_backpressure"), 1);
     assert_eq!(free(&mut c), 12);
@@ -586,7 +586,7 @@ fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
     assert_eq!(stat(&c, "tx_backpressure"), 2, "both waiting dropped");
     assert_eq!(free(&mut c), SLOTS as usize);
     assert!(post(&mut c).is_empty(), "nothing released by a failed send");
-    // Dead until the control plane takes its route: what is read for it is dropped.
+    // Dead until the control plane takes its route: what is read for it is let go to UD.
     read_to(&mut c, "10.0.0.2", 100);
     assert_eq!(stat(&c, "tx_no_connection"), 1);
     assert!(post(&mut c).is_empty());
@@ -599,7 +599,7 @@ fn a_send_in_error_kills_its_connection_once_and_drops_what_waits() {
 }
 
 #[test]
-fn a_qp_that_refuses_part_of_a_chain_is_dead_and_what_waits_for_it_dropped() {
+fn a_qp_that_refuses_part_of_a_chain_is_dead_and_what_waits_for_it_let_go() {
     let mut c = core_with(2, 8, 2);
     route(&mut c, "10.0.0.2", 7, 65520);
     events(&mut c);
@@ -619,7 +619,7 @@ fn a_qp_that_refuses_part_of_a_chain_is_dead_and_what_waits_for_it_dropped() {
     assert_eq!(
         stat(&c, "tx_backpressure"),
         2,
-        "the two waiting dropped at once"
+        "the two waiting let go at once"
     );
     assert_eq!(
         events(&mut c),
@@ -782,7 +782,7 @@ fn a_dead_connections_route_is_removed_at_once() {
     assert_eq!(
         stat(&c, "tx_backpressure"),
         2,
-        "what waited, dropped as it died"
+        "what waited, let go as it died"
     );
     assert_eq!(c.remove_route(ip("10.0.0.2"), 7), Removal::Removed);
     assert!(released(&mut c).is_empty(), "nothing to let go later");
@@ -1168,7 +1168,7 @@ fn a_failed_receive_kills_its_connection_once_and_an_unrouted_qp_is_nobodys() {
     assert_eq!(
         stat(&c, "tx_backpressure"),
         3,
-        "what waits is dropped at once"
+        "what waits is let go at once"
     );
     let offered: Vec<u32> = unsent(&mut c).into_iter().map(|(s, _)| s).collect();
     assert_eq!(offered, read[7..], "what waited is offered to UD, in order");
