@@ -1,11 +1,11 @@
 //! The engine's decisions, free of I/O: which connection a packet read from the TUN device
 //! goes to; whether it is posted, waits behind its connection's window, or is let go to UD
-//! or dropped (and under which counter); which waiting packet a send completion releases; when a connection
-//! is congested, drained or dead; which connections get a keepalive; the send slots free;
-//! what a receive completion is (a packet, a keepalive, a failure, a flush) and whether its
-//! buffer is posted again; the receive totals per QP. [`super::Engine`]'s loop reads the TUN
-//! device, polls the CQ, posts and writes, and hands each of those here; what this decides
-//! comes back as [`Receipt`]s, sends to post
+//! or dropped (and under which counter); which waiting packet a send completion releases;
+//! when a connection is congested, drained or dead; which connections get a keepalive; the
+//! send slots free; what a receive completion is (a packet, a keepalive, a failure, a
+//! flush) and whether its buffer is posted again; the receive totals per QP.
+//! [`super::Engine`]'s loop reads the TUN device, polls the CQ, posts and writes, and hands
+//! each of those here; what this decides comes back as [`Receipt`]s, sends to post
 //! ([`EngineCore::flush`], which the loop gives the posting), keepalives to post
 //! ([`EngineCore::housekeeping`]) and events for the control plane
 //! ([`EngineCore::next_event`]).
