@@ -7,9 +7,36 @@ use etherparse::PacketBuilder;
 use super::*;
 use crate::tun::{VNET_GSO_TCPV4, VNET_GSO_UDP};
 
+/// `whole` (an IP packet whose transport header starts at `start`, its checksum field at
+/// `start + offset`) as a TUN read with the checksum left partial, as the kernel leaves it for
+/// a device that checksums: the field holds the pseudo-header's sum, not complemented, of
+/// `addrs` (source, then destination), the protocol and the transport length.
+fn left_partial(whole: &[u8], addrs: &[u8], proto: u8, start: u16, offset: u16) -> Vec<u8> {
+    let l4_len = (whole.len() - usize::from(start)) as u32;
+    let mut sum: u32 = addrs
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    sum += u32::from(proto) + l4_len;
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let mut partial = whole.to_vec();
+    let at = usize::from(start + offset);
+    partial[at..at + 2].copy_from_slice(&(sum as u16).to_be_bytes());
+    let hdr = VnetHdr {
+        flags: VNET_F_NEEDS_CSUM,
+        csum_start: start,
+        csum_offset: offset,
+        ..VnetHdr::default()
+    };
+    let mut msg = hdr.encode().to_vec();
+    msg.extend_from_slice(&partial);
+    msg
+}
+
 /// A TUN read of a UDP datagram with `payload` bytes from 10.0.0.1:4000 to `dst`:5000, its
-/// checksum left partial as the kernel leaves it for a device that checksums (the field holds
-/// the pseudo-header's sum); and the same datagram with the checksum etherparse computes.
+/// checksum left partial; and the same datagram with the checksum etherparse computes.
 fn partial_udp(dst: Ipv4Addr, payload: usize) -> (Vec<u8>, Vec<u8>) {
     let data: Vec<u8> = (0..payload).map(|i| (i * 7 + 3) as u8).collect();
     let mut whole = Vec::new();
@@ -17,25 +44,8 @@ fn partial_udp(dst: Ipv4Addr, payload: usize) -> (Vec<u8>, Vec<u8>) {
         .udp(4000, 5000)
         .write(&mut whole, &data)
         .unwrap();
-    let mut partial = whole.clone();
-    // The pseudo-header's sum, not complemented, where the checksum goes.
-    let udp_len = (8 + payload) as u32;
-    let mut sum: u32 =
-        0x0a00 + 0x0001 + u32::from(u16::from_be_bytes([dst.octets()[0], dst.octets()[1]]));
-    sum += u32::from(u16::from_be_bytes([dst.octets()[2], dst.octets()[3]])) + 17 + udp_len;
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    partial[26..28].copy_from_slice(&(sum as u16).to_be_bytes());
-    let hdr = VnetHdr {
-        flags: VNET_F_NEEDS_CSUM,
-        csum_start: 20,
-        csum_offset: 6,
-        ..VnetHdr::default()
-    };
-    let mut msg = hdr.encode().to_vec();
-    msg.extend_from_slice(&partial);
-    (msg, whole)
+    let addrs = [[10, 0, 0, 1], dst.octets()].concat();
+    (left_partial(&whole, &addrs, 17, 20, 6), whole)
 }
 
 #[test]
@@ -120,27 +130,7 @@ fn an_ipv6_tcp_checksum_is_finished_too() {
             .tcp(4000, 5000, 7, 65000)
             .write(&mut whole, &data)
             .unwrap();
-        // The pseudo-header's sum (addresses, upper-layer length, next header) in the field.
-        let tcp_len = (20 + payload) as u32;
-        let mut sum: u32 = src
-            .chunks(2)
-            .chain(dst.chunks(2))
-            .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
-            .sum();
-        sum += tcp_len + 6;
-        while sum > 0xffff {
-            sum = (sum & 0xffff) + (sum >> 16);
-        }
-        let mut partial = whole.clone();
-        partial[40 + 16..40 + 18].copy_from_slice(&(sum as u16).to_be_bytes());
-        let hdr = VnetHdr {
-            flags: VNET_F_NEEDS_CSUM,
-            csum_start: 40,
-            csum_offset: 16,
-            ..VnetHdr::default()
-        };
-        let mut msg = hdr.encode().to_vec();
-        msg.extend_from_slice(&partial);
+        let mut msg = left_partial(&whole, &[src, dst].concat(), 6, 40, 16);
         assert_eq!(prepare(&mut msg), Ok(IpAddr::from(dst)));
         assert_eq!(msg[VNET_HDR_LEN..], whole, "{payload} bytes");
     }
