@@ -254,6 +254,35 @@ pub fn rdma_resources(dev: &str) -> HashMap<String, u64> {
         .collect()
 }
 
+/// Every RDMA device port's hardware counters (`/sys/class/infiniband/DEV/ports/N/hw_counters`):
+/// (device, counter, value), for each port of each device.
+pub fn rdma_hw_counters() -> Vec<(String, String, u64)> {
+    let mut out = Vec::new();
+    for dev in std::fs::read_dir("/sys/class/infiniband")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = dev.file_name().to_string_lossy().into_owned();
+        let ports = std::fs::read_dir(dev.path().join("ports"))
+            .into_iter()
+            .flatten();
+        for port in ports.flatten() {
+            let files = std::fs::read_dir(port.path().join("hw_counters"))
+                .into_iter()
+                .flatten();
+            for f in files.flatten() {
+                let v = std::fs::read_to_string(f.path()).ok();
+                if let Some(v) = v.and_then(|v| v.trim().parse().ok()) {
+                    let k = f.file_name().to_string_lossy().into_owned();
+                    out.push((name.clone(), k, v));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// An rxe device on a veth pair, created when the kernel can have one. Returns its name.
 pub fn rxe_device() -> Option<String> {
     // librdmacm's device (/dev/infiniband/rdma_cm), for path records: a distribution's

@@ -241,23 +241,11 @@ impl PerfRound {
 /// RNR NAKs received so far, summed over every RDMA device and port (`rcvd_rnr_err`, which
 /// rxe and mlx5 count); None when no device has the counter.
 fn rnr_naks() -> Option<u64> {
-    let mut sum = None;
-    for dev in std::fs::read_dir("/sys/class/infiniband").ok()?.flatten() {
-        for port in std::fs::read_dir(dev.path().join("ports"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let f = port.path().join("hw_counters/rcvd_rnr_err");
-            if let Some(n) = std::fs::read_to_string(f)
-                .ok()
-                .and_then(|t| t.trim().parse::<u64>().ok())
-            {
-                *sum.get_or_insert(0) += n;
-            }
-        }
-    }
-    sum
+    let naks: Vec<u64> = ipoib_tests::cmlab::rdma_hw_counters()
+        .into_iter()
+        .filter_map(|(_, k, n)| (k == "rcvd_rnr_err").then_some(n))
+        .collect();
+    (!naks.is_empty()).then(|| naks.iter().sum())
 }
 
 /// A run's RNR NAKs, or "?" where the device does not count them.

@@ -624,35 +624,10 @@ fn counters(nodes: &[&Node]) -> Vec<(String, u64)> {
     }
     // The RDMA devices' own counters (RNR NAKs sent and received, retries, sequence errors):
     // one rxe device serves every node.
-    for port in glob_dirs("/sys/class/infiniband", "ports") {
-        let Ok(files) = std::fs::read_dir(port.join("hw_counters")) else {
-            continue;
-        };
-        let dev = port
-            .iter()
-            .rev()
-            .nth(2)
-            .map(|d| d.to_string_lossy().into_owned());
-        for f in files.flatten() {
-            let v = std::fs::read_to_string(f.path()).ok();
-            if let (Some(dev), Some(v)) = (&dev, v.and_then(|v| v.trim().parse().ok())) {
-                let k = f.file_name().to_string_lossy().into_owned();
-                c.push((format!("{dev} {k}"), v));
-            }
-        }
+    for (dev, k, v) in ipoib_tests::cmlab::rdma_hw_counters() {
+        c.push((format!("{dev} {k}"), v));
     }
     c
-}
-
-/// Each `root/DEVICE/sub/PORT` directory.
-fn glob_dirs(root: &str, sub: &str) -> Vec<std::path::PathBuf> {
-    let Ok(devs) = std::fs::read_dir(root) else {
-        return Vec::new();
-    };
-    devs.flatten()
-        .filter_map(|d| std::fs::read_dir(d.path().join(sub)).ok())
-        .flat_map(|ports| ports.flatten().map(|p| p.path()))
-        .collect()
 }
 
 /// The kernel's packet drops (the `skb:kfree_skb` trace event, counted in the kernel by a
